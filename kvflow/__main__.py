@@ -1,0 +1,3 @@
+from kvflow.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,55 @@
+"""Engine flags shared by every command that runs a model (generate, chat, serve, bench latency)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from kvflow.config import CacheConfig, ModelConfig, SchedulerConfig
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
+          "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'4GiB', '512MB', '1e9' or a plain number of bytes."""
+    m = _SIZE.match(text)
+    if m is None or m.group(2).lower() not in _UNITS:
+        try:
+            return int(float(text))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (try 2GiB or 512MiB)") from None
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def add_engine_options(p: argparse.ArgumentParser) -> None:
+    m, c, s = ModelConfig(), CacheConfig(), SchedulerConfig()
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", "-m", default=None, help="path, .gguf file, alias or hub id (default: smollm2-135m)")
+    g.add_argument("--dtype", default=m.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default=m.device, help="auto, cpu or cuda")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV cache budget, e.g. 2GiB")
+    g.add_argument("--kv-cache-dtype", default=c.kv_cache_dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--block-size", type=int, default=c.block_size)
+    g.add_argument("--max-num-batched-tokens", type=int, default=s.max_num_batched_tokens)
+    g.add_argument("--max-num-seqs", type=int, default=s.max_num_seqs)
+    g.add_argument("--long-prefill-token-threshold", type=int, default=s.long_prefill_token_threshold)
+    g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
+    g.add_argument("--no-chunked-prefill", action="store_true")
+    g.add_argument("--quantization", default=None, choices=["int8", "int4"])
+    g.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    g.add_argument("--seed", type=int, default=m.seed)
+    g.add_argument("--trace", default=None, metavar="FILE", help="append a JSON line per engine step")
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    return dict(
+        model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        enable_prefix_caching=not args.no_prefix_caching, enable_chunked_prefill=not args.no_chunked_prefill,
+        quantization=args.quantization, threads=args.threads, seed=args.seed, trace_file=args.trace,
+    )

@@ -1,0 +1,68 @@
+"""Engine configuration: one EngineConfig made of small dataclasses, passed down everywhere."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    """What to load and how to run it."""
+
+    model: str | None = None  # name, path, alias or hub id; None means the default model
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    max_model_len: int | None = None  # None: the model's own context length
+    quantization: str | None = None  # None | int8 | int4 (weight-only, float checkpoints)
+    threads: int | None = None  # CPU threads; None: the physical cores
+    seed: int = 0
+
+
+@dataclass
+class CacheConfig:
+    """The paged KV cache."""
+
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; None: a share of free memory
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | float32 | bfloat16 | float16
+    enable_prefix_caching: bool = True
+    num_blocks: int | None = None  # set once the cache is sized (tests may force it)
+
+
+@dataclass
+class SchedulerConfig:
+    """One token budget per step."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int = 8192  # filled from ModelConfig once the model is known
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # 0: no cap per request beyond the step budget
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    trace_file: str | None = None
+
+
+def engine_config(**options) -> EngineConfig:
+    """Build an EngineConfig from flat, vLLM-named options (LLM(...) keyword arguments, CLI flags)."""
+    config = EngineConfig()
+    sections = (config.model, config.cache, config.scheduler)
+    for name, value in options.items():
+        if name == "trace_file":
+            config.trace_file = value
+            continue
+        owners = [s for s in sections if hasattr(s, name)]
+        if not owners:
+            raise TypeError(f"unknown engine option {name!r}")
+        for owner in owners:
+            setattr(owner, name, value)
+    if config.scheduler.max_num_batched_tokens < 1 or config.scheduler.max_num_seqs < 1:
+        raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+    if config.cache.block_size < 1:
+        raise ValueError("block_size must be >= 1")
+    return config

@@ -1,0 +1,278 @@
+"""LLMEngine: the synchronous step loop. schedule -> forward -> sample -> update -> detokenize -> outputs.
+
+Everything here runs on the caller's thread; the server wraps it in a background thread
+(async_engine.py) so HTTP work never stalls a step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from kvflow.config import EngineConfig
+from kvflow.engine.detokenizer import IncrementalDetokenizer
+from kvflow.engine.request import Request, RequestStatus
+from kvflow.engine.request_state import RequestGroup, SequenceState
+from kvflow.engine.runner import ModelRunner
+from kvflow.engine.scheduler import Scheduler
+from kvflow.engine.scheduler_output import ScheduledSequence, SchedulerOutput
+from kvflow.layers.sampler import Sampler, SamplingRow, make_generator
+from kvflow.loader.model_loader import load_model, set_threads
+from kvflow.outputs import Logprob, RequestOutput
+from kvflow.sampling_params import SamplingParams
+
+log = logging.getLogger("kvflow")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, attention_backend: str = "auto") -> None:
+        self.config = config
+        set_threads(config.model.threads)
+        torch.manual_seed(config.model.seed)
+        self.loaded = load_model(config.model)
+        self.tokenizer = self.loaded.tokenizer
+        self.max_model_len = self.loaded.max_model_len
+        config.scheduler.max_model_len = self.max_model_len
+        self.runner = ModelRunner(self.loaded, config.cache, attention_backend)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks)
+        self.sampler = Sampler()
+        self.eos_token_ids = self._eos_ids()
+        self.groups: dict[str, RequestGroup] = {}
+        self.sequences: dict[str, SequenceState] = {}  # by engine request id
+        self._trace = open(config.trace_file, "a") if config.trace_file else None  # noqa: SIM115
+        self._counter = 0
+        self.num_steps = 0
+
+    # ---- requests --------------------------------------------------------------------------------------
+    def _eos_ids(self) -> list[int]:
+        ids = list(self.loaded.arch.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in ids:
+            ids.insert(0, self.tokenizer.eos_token_id)
+        return ids
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer(prompt).input_ids
+
+    def next_request_id(self) -> str:
+        self._counter += 1
+        return f"req-{self._counter}"
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a request; raises ValueError (with both lengths) when it cannot fit the context."""
+        params = params or SamplingParams()
+        request_id = request_id or self.next_request_id()
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        self._check_prompt(token_ids, params)
+        group = RequestGroup(request_id, text, token_ids, params, children_to_fork=params.n - 1)
+        first = self._new_sequence(group, 0, request_id if params.n == 1 else f"{request_id}#0", arrival_time)
+        self.scheduler.add_request(first.request)  # raises ValueError if it can never fit the pool
+        self.groups[request_id] = group
+        self.sequences[first.request.request_id] = first
+        return request_id
+
+    def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        n = len(token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {n} tokens but the model's context is {self.max_model_len} tokens "
+                f"(at least one must be left to generate)"
+            )
+        vocab = self.loaded.arch.vocab_size
+        if any(t < 0 or t >= vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"the prompt has {n} tokens and max_tokens is {params.max_tokens}: together more than "
+                f"the model's context of {self.max_model_len} tokens"
+            )
+
+    def _new_sequence(
+        self, group: RequestGroup, index: int, engine_id: str, arrival_time: float | None
+    ) -> SequenceState:
+        params = group.params
+        if not params.ignore_eos and len(self.eos_token_ids) > 1:
+            # Extra end-of-turn ids (Llama 3's <|eot_id|>...) stop like EOS does.
+            extra = [t for t in self.eos_token_ids[1:] if t not in params.stop_token_ids]
+            params = _with_stop_ids(params, extra)
+        request = Request(engine_id, group.prompt_token_ids, params, self.eos_token_ids[0] if self.eos_token_ids
+                          else None, arrival_time)
+        seed = None if params.seed is None else params.seed + index
+        generator = None if seed is None else make_generator(seed, self.loaded.device)
+        state = SequenceState(
+            group_id=group.request_id,
+            index=index,
+            request=request,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids, params),
+            generator=generator,
+            logprobs=[] if params.logprobs is not None else None,
+            cumulative_logprob=0.0 if params.logprobs is not None else None,
+        )
+        group.sequences.append(state)
+        return state
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its final output (finish_reason "abort")."""
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return None
+        group.children_to_fork = 0
+        for seq in group.sequences:
+            self.scheduler.abort_request(seq.request.request_id)
+            self.sequences.pop(seq.request.request_id, None)
+            if seq.finish_reason is None:
+                seq.finish_reason = "abort"
+        return group.output()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    # ---- one step --------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        logits, sample_ids = self.runner.execute(sched)
+        sampled, touched = self._sample(sched, logits, sample_ids)
+        updated = self.scheduler.update_from_output(sched, sampled)
+        for request in updated:
+            self._process_tokens(request)
+        self.num_steps += 1
+        if self._trace is not None:
+            self._write_trace(sched, time.perf_counter() - t0)
+        outputs = []
+        for group_id in touched:
+            group = self.groups.get(group_id)
+            if group is None:
+                continue
+            outputs.append(group.output())
+            if group.finished:
+                self._drop(group)
+        return outputs
+
+    def _sample(
+        self, sched: SchedulerOutput, logits: torch.Tensor, sample_ids: list[str]
+    ) -> tuple[dict[str, list[int]], set[str]]:
+        rows: list[SamplingRow] = []
+        row_logits: list[int] = []
+        owners: list[SequenceState] = []
+        touched: set[str] = set()
+        for i, rid in enumerate(sample_ids):
+            seq = self.sequences.get(rid)
+            if seq is None:
+                continue
+            group = self._group_of(seq)
+            touched.add(group.request_id)
+            targets = [seq] + self._fork_children(sched, group, seq)
+            for target in targets:
+                rows.append(self._sampling_row(target))
+                row_logits.append(i)
+                owners.append(target)
+        if not rows:
+            return {}, touched
+        index = torch.tensor(row_logits, device=logits.device)
+        result = self.sampler(logits.index_select(0, index), rows)
+        for j, seq in enumerate(owners):
+            if seq.logprobs is not None:
+                self._record_logprobs(seq, result.token_ids[j], result.logprobs[j], result.top_logprobs[j])
+        return {seq.request.request_id: [result.token_ids[j]] for j, seq in enumerate(owners)}, touched
+
+    def _fork_children(self, sched: SchedulerOutput, group: RequestGroup, parent: SequenceState) -> list:
+        """n > 1: once the prompt is computed, the other n - 1 sequences start from the parent's KV blocks."""
+        if group.children_to_fork == 0 or parent.index != 0:
+            return []
+        children = []
+        for index in range(1, group.children_to_fork + 1):
+            child = self._new_sequence(group, index, f"{group.request_id}#{index}", None)
+            child.request.timings.arrival_time = parent.request.timings.arrival_time
+            self.scheduler.fork_request(parent.request, child.request)
+            self.sequences[child.request.request_id] = child
+            if child.request.status == RequestStatus.RUNNING:
+                # Bookkeeping entry only (no tokens to compute): lets update_from_output append its token.
+                sched.scheduled.append(ScheduledSequence(
+                    child.request, child.request.num_computed_tokens, 0,
+                    self.scheduler.kv_cache_manager.get_block_ids(child.request.request_id), True,
+                ))
+                children.append(child)
+        group.children_to_fork = 0
+        return children
+
+    def _sampling_row(self, seq: SequenceState) -> SamplingRow:
+        req = seq.request
+        params = req.sampling_params
+        suppress: list[int] = []
+        if req.num_output_tokens < params.min_tokens:
+            suppress = list(params.stop_token_ids)
+            if not params.ignore_eos:
+                suppress += self.eos_token_ids
+        return SamplingRow(params, req.prompt_token_ids, req.output_token_ids, seq.generator, suppress)
+
+    def _record_logprobs(self, seq: SequenceState, token: int, lp: float | None, top) -> None:
+        entry: dict[int, Logprob] = {}
+        for rank, (tid, value) in enumerate(top or [], start=1):
+            entry[tid] = Logprob(value, rank, self.tokenizer.decode([tid]))
+        if token not in entry:
+            entry = {token: Logprob(float(lp), 0, self.tokenizer.decode([token])), **entry}  # rank 0: outside top-k
+        seq.logprobs.append(entry)
+        seq.cumulative_logprob += float(lp)
+
+    def _process_tokens(self, request: Request) -> None:
+        seq = self.sequences.get(request.request_id)
+        if seq is None:
+            return
+        new_ids = request.output_token_ids[seq.num_processed :]
+        seq.num_processed = request.num_output_tokens
+        seq.delta_token_ids += new_ids
+        result = seq.detokenizer.add(new_ids)
+        seq.delta_text += result.text_delta
+        if result.finished and not request.is_finished:
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, result.stop_string)
+        if request.is_finished:
+            if not result.finished:
+                seq.delta_text += seq.detokenizer.flush()
+            seq.finish_reason = request.status.finish_reason
+
+    def _group_of(self, seq: SequenceState) -> RequestGroup:
+        return self.groups[seq.group_id]
+
+    def _drop(self, group: RequestGroup) -> None:
+        self.groups.pop(group.request_id, None)
+        for seq in group.sequences:
+            self.sequences.pop(seq.request.request_id, None)
+
+    def _write_trace(self, sched: SchedulerOutput, seconds: float) -> None:
+        decode = sum(1 for s in sched.scheduled if s.num_tokens == 1 and s.start >= s.request.num_prompt_tokens)
+        prefill = sched.total_num_scheduled_tokens - decode
+        record = {
+            "t": time.time(), "step": self.num_steps, "seconds": seconds, "prefill_tokens": prefill,
+            "decode_tokens": decode, "batch_size": len(sched.scheduled),
+            "kv_usage": self.scheduler.kv_cache_manager.usage,
+        }
+        self._trace.write(json.dumps(record) + "\n")
+        self._trace.flush()
+
+    # ---- stats -----------------------------------------------------------------------------------------
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.runner.capacity_tokens
+
+
+def _with_stop_ids(params: SamplingParams, extra: list[int]) -> SamplingParams:
+    if not extra:
+        return params
+    from dataclasses import replace
+
+    return replace(params, stop_token_ids=list(params.stop_token_ids) + extra)

@@ -1,0 +1,139 @@
+"""ModelRunner: turns a SchedulerOutput into one forward pass over a flat batch and returns logits.
+
+Every prefill chunk and decode token of the step goes into one 1-D token tensor, with positions,
+cache slots, per-sequence query offsets, context lengths and block tables.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvflow.config import CacheConfig
+from kvflow.engine.kv_cache_alloc import (
+    allocate_kv_cache,
+    bytes_per_block,
+    default_kv_cache_memory,
+    num_blocks_for,
+)
+from kvflow.layers.attention.metadata import AttentionMetadata
+from kvflow.loader.model_loader import DTYPES, LoadedModel
+
+log = logging.getLogger("kvflow")
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # rows of the flat batch whose logits are sampled
+    sample_request_ids: list[str]
+
+
+def choose_backend(device: torch.device, name: str = "auto"):
+    from kvflow.layers.attention.backend import ReferenceBackend
+    from kvflow.layers.attention.sdpa import SDPABackend
+
+    backends = {"reference": ReferenceBackend, "sdpa": SDPABackend}
+    if name == "auto":
+        name = "sdpa"
+    if name not in backends:
+        raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(backends)}")
+    return backends[name]()
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, cache_config: CacheConfig, attention_backend: str = "auto") -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.device = loaded.device
+        self.block_size = cache_config.block_size
+        self.kv_dtype = loaded.dtype if cache_config.kv_cache_dtype == "auto" else DTYPES[cache_config.kv_cache_dtype]
+        if cache_config.num_blocks is None:
+            memory = cache_config.kv_cache_memory or default_kv_cache_memory(self.device)
+            cache_config.num_blocks = num_blocks_for(memory, loaded.arch, self.block_size, self.kv_dtype)
+        self.num_blocks = cache_config.num_blocks
+        if self.num_blocks < 1:
+            per_block = bytes_per_block(loaded.arch, self.block_size, self.kv_dtype)
+            raise ValueError(f"kv_cache_memory is too small for even one block ({per_block} bytes)")
+        self.kv_caches = allocate_kv_cache(loaded.arch, self.num_blocks, self.block_size, self.kv_dtype, self.device)
+        self.backend = choose_backend(self.device, attention_backend)
+        for layer, (k_cache, v_cache) in zip(self.model.attention_layers, self.kv_caches):
+            layer.k_cache, layer.v_cache, layer.backend = k_cache, v_cache, self.backend
+        log.info(
+            "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %s)",
+            self.num_blocks, self.block_size, self.capacity_tokens,
+            self.num_blocks * bytes_per_block(loaded.arch, self.block_size, self.kv_dtype) / 2**20,
+            str(self.kv_dtype).split(".")[-1],
+        )
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def prepare(self, scheduled) -> StepInputs:
+        tokens: list[int] = []
+        positions, slots, tables = [], [], []
+        query_lens, seq_lens, logits_indices, sample_ids = [], [], [], []
+        bs = self.block_size
+        for seq in scheduled:
+            req, start, n = seq.request, seq.start, seq.num_tokens
+            tokens.extend(req.all_token_ids[start : start + n])
+            pos = np.arange(start, start + n)
+            table = np.asarray(seq.block_ids, dtype=np.int64)
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            tables.append(table)
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            if seq.sample:
+                logits_indices.append(len(tokens) - 1)
+                sample_ids.append(req.request_id)
+        width = max((len(t) for t in tables), default=1)
+        table_arr = np.zeros((len(tables), max(width, 1)), dtype=np.int32)
+        for i, t in enumerate(tables):
+            table_arr[i, : len(t)] = t
+        starts = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.from_numpy(starts).to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            block_tables=torch.from_numpy(table_arr).to(dev),
+        )
+        return StepInputs(
+            input_ids=torch.tensor(tokens, dtype=torch.long, device=dev),
+            positions=torch.from_numpy(np.concatenate(positions)).to(dev),
+            meta=meta,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
+            sample_request_ids=sample_ids,
+        )
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write for forked sequences: duplicate a partly filled block before anyone writes to it."""
+        if not copies:
+            return
+        src = torch.tensor([c[0] for c in copies], device=self.device)
+        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output) -> tuple[torch.Tensor, list[str]]:
+        """Run one step; returns float32 logits [num sampled sequences, vocab] and their request ids."""
+        self.copy_blocks(scheduler_output.block_copies)
+        if not scheduler_output.scheduled:
+            return torch.empty(0, self.loaded.arch.vocab_size), []
+        inputs = self.prepare(scheduler_output.scheduled)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        if not inputs.sample_request_ids:
+            return torch.empty(0, self.loaded.arch.vocab_size), []
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        return logits.float(), inputs.sample_request_ids

@@ -1,0 +1,288 @@
+"""The scheduler: one token budget per step, shared by every request that has tokens left to compute.
+
+A request needs `num_tokens - num_computed_tokens` tokens computed. Each step, running requests are
+served first (a decode costs one token, a prompt still being prefilled gets a chunk), then waiting
+requests in arrival order fill what is left of the budget. Prefix-cache hits count as computed for
+free. When the pool runs out of blocks for a running request, the most recently arrived running
+request is preempted: it drops its blocks and its progress and waits, first in line, to be recomputed.
+
+Progress is advanced in `schedule()`: once a chunk is handed to the runner, num_computed_tokens already
+includes it. `update_from_output()` then registers the newly full blocks, appends sampled tokens and
+checks the stop conditions.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from kvflow.config import CacheConfig, SchedulerConfig
+from kvflow.engine.kv_cache_manager import KVCacheManager
+from kvflow.engine.request import Request, RequestStatus, now
+from kvflow.engine.scheduler_output import ScheduledSequence, SchedulerOutput
+
+
+def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
+    """Whether the request's last output token ends it. EOS and stop ids wait for min_tokens outputs;
+    they win over the length limits when both apply, since they say more."""
+    params = request.sampling_params
+    token = request.output_token_ids[-1]
+    if request.num_output_tokens >= params.min_tokens:
+        if token == request.eos_token_id and not params.ignore_eos:
+            return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+    if request.max_tokens is not None and request.num_output_tokens >= request.max_tokens:
+        return RequestStatus.FINISHED_LENGTH
+    if request.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH
+    return None
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
+        self.config = scheduler_config
+        self.block_size = cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last is the first to be preempted
+        self._finished_ids: list[str] = []  # reported in the next SchedulerOutput
+        self._pending_copies: list[tuple[int, int]] = []  # from forks, done before the next forward
+
+    # ---- queues -------------------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or raise ValueError if it could never run to its end. Resolves
+        request.max_tokens: when max_tokens is None, the cap is what fits in max_model_len and the pool."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self._resolve_max_tokens(request)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def _resolve_max_tokens(self, request: Request) -> None:
+        max_len = self.config.max_model_len
+        pool_tokens = self.kv_cache_manager.num_blocks * self.block_size
+        n_prompt = request.num_prompt_tokens
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is None:
+            # The last sampled token is never computed, so it needs no KV slot: hence the + 1.
+            max_tokens = min(max_len - n_prompt, pool_tokens + 1 - n_prompt)
+            if max_tokens < 1:
+                raise ValueError(
+                    f"prompt of {n_prompt} tokens leaves no room to generate: max_model_len is {max_len} "
+                    f"and the KV cache holds {pool_tokens} tokens"
+                )
+        elif n_prompt + max_tokens > max_len:
+            raise ValueError(
+                f"prompt of {n_prompt} tokens + max_tokens {max_tokens} = {n_prompt + max_tokens} tokens "
+                f"exceeds max_model_len {max_len}"
+            )
+        # KV is needed for every token but the last sampled one.
+        most_computed = n_prompt + max_tokens - 1
+        blocks_needed = self.kv_cache_manager.blocks_needed(most_computed)
+        if blocks_needed > self.kv_cache_manager.num_blocks:
+            raise ValueError(
+                f"request needs {blocks_needed} KV blocks ({most_computed} tokens of {self.block_size} per "
+                f"block) but the whole pool has only {self.kv_cache_manager.num_blocks} blocks"
+            )
+        if not self.config.enable_chunked_prefill and most_computed > self.config.max_num_batched_tokens:
+            raise ValueError(
+                f"with chunked prefill disabled, a request must fit one step: it may need {most_computed} "
+                f"tokens at once but max_num_batched_tokens is {self.config.max_num_batched_tokens}"
+            )
+        request.max_tokens = max_tokens
+
+    def finish_request(
+        self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None
+    ) -> None:
+        """End a request now (abort, or a stop string seen by the detokenizer): it leaves its queue,
+        its blocks are freed, and the next SchedulerOutput lists it. Unknown or finished ids are ignored."""
+        assert status.is_finished(), f"{status} is not a finished status"
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        if stop_reason is not None:
+            request.stop_reason = stop_reason
+        self._finish(request, status)
+
+    def abort_request(self, request_id: str) -> None:
+        self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        """Bookkeeping for a request already taken out of its queue."""
+        request.status = status
+        request.timings.finished_time = now()
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+
+    def fork_request(self, parent: Request, child: Request) -> None:
+        """Start child as a copy of parent's progress (its output so far and its KV), for n > 1 sampling.
+        The child shares the parent's full blocks; a partly filled last block is copied, and that copy
+        is listed in the next SchedulerOutput.block_copies. If no block is free for the copy, the child
+        waits first in line and recomputes (its prefix mostly from the cache)."""
+        if child.prompt_token_ids != parent.prompt_token_ids or child.output_token_ids:
+            raise ValueError("a forked child must have the parent's prompt and no output of its own")
+        if parent.request_id not in self.requests:
+            raise ValueError(f"parent request {parent.request_id!r} is not in the scheduler")
+        if child.request_id in self.requests:
+            raise ValueError(f"request id {child.request_id!r} is already in use")
+        self._resolve_max_tokens(child)
+        child.output_token_ids = list(parent.output_token_ids)
+        child.all_token_ids = list(parent.all_token_ids)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.timings.first_scheduled_time = parent.timings.first_scheduled_time
+        self.requests[child.request_id] = child
+        copies = None
+        if parent.status == RequestStatus.RUNNING:
+            copies = self.kv_cache_manager.fork(parent, child)
+        if copies is None:
+            child.num_computed_tokens = 0
+            child.status = RequestStatus.WAITING
+            self.waiting.appendleft(child)
+            return
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
+        self._pending_copies.extend(copies)
+
+    # ---- one step -----------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_request_ids=self._finished_ids, block_copies=self._pending_copies)
+        self._finished_ids, self._pending_copies = [], []
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        # After a preemption the pool is short: admitting new work now would only cause more of it.
+        if not out.preempted_request_ids:
+            budget = self._schedule_waiting(out, budget)
+        out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
+        return out
+
+    def _chunk_size(self, num_left: int, budget: int) -> int:
+        """How many of a request's num_left tokens to compute now; 0 means not this step."""
+        if not self.config.enable_chunked_prefill:
+            return num_left if num_left <= budget else 0
+        if self.config.long_prefill_token_threshold > 0:
+            num_left = min(num_left, self.config.long_prefill_token_threshold)
+        return min(num_left, budget)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0 and len(out.scheduled) < self.config.max_num_seqs:
+            request = self.running[i]
+            num_new = self._chunk_size(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            if not self._allocate_or_preempt(out, request, num_new):
+                break  # it was itself the last running request, and is now preempted
+            self._add_scheduled(out, request, num_new)
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _allocate_or_preempt(self, out: SchedulerOutput, request: Request, num_new: int) -> bool:
+        """Find blocks for a running request, preempting from the back of the running list until they
+        fit. Returns False if the request itself had to go."""
+        while not self.kv_cache_manager.allocate_slots(request, num_new):
+            victim = self.running.pop()  # never one already scheduled this step: those come before it
+            self._preempt(victim)
+            out.preempted_request_ids.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        kv = self.kv_cache_manager
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+            and len(out.scheduled) < self.config.max_num_seqs
+        ):
+            request = self.waiting[0]
+            hit_block_ids, num_hit_tokens = kv.get_computed_blocks(request)
+            num_new = self._chunk_size(request.num_tokens - num_hit_tokens, budget)
+            # Strict arrival order: if the head cannot run, nothing behind it jumps the queue.
+            if num_new == 0 or not kv.allocate_slots(request, num_new, hit_block_ids):
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            if request.timings.first_scheduled_time is None:
+                request.timings.first_scheduled_time = now()
+            self._add_scheduled(out, request, num_new)
+            budget -= num_new
+        return budget
+
+    def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+        start = request.num_computed_tokens
+        request.num_computed_tokens += num_new
+        out.scheduled.append(
+            ScheduledSequence(
+                request=request,
+                start=start,
+                num_tokens=num_new,
+                block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                sample=request.num_computed_tokens == request.num_tokens,
+            )
+        )
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute-style preemption: drop the KV (full blocks stay in the prefix cache) and requeue first."""
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, sampled: dict[str, list[int]]
+    ) -> list[Request]:
+        """Apply one step's results. sampled maps request id to its new tokens (a list, so speculative
+        decoding can accept several); only sequences with sample=True take tokens. Returns the requests
+        that received tokens, finished ones already out of the scheduler with a finished status."""
+        updated = []
+        for seq in scheduler_output.scheduled:
+            request = seq.request
+            if request.status != RequestStatus.RUNNING:  # aborted or finished since schedule()
+                continue
+            self.kv_cache_manager.cache_full_blocks(request)
+            new_ids = sampled.get(request.request_id) if seq.sample else None
+            if not new_ids:
+                continue
+            for token in new_ids:
+                request.append_output_token_ids([token])
+                status = check_stop(request, self.config.max_model_len)
+                if status is not None:
+                    self.running.remove(request)
+                    self._finish(request, status)
+                    break
+            updated.append(request)
+        return updated

@@ -1,0 +1,48 @@
+"""Attention backends: how one layer's attention runs over a flat batch, with or without the paged cache.
+
+A backend gets this step's q/k/v ([T, heads, head_dim]) and, when a KV cache is bound, stores k/v
+into their slots and attends over everything cached. Backends differ per device; models do not.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from kvflow.layers.attention import reference
+from kvflow.layers.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor | None,
+        v_cache: torch.Tensor | None,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+class ReferenceBackend:
+    """Plain PyTorch, any device: obviously right, slow."""
+
+    name = "reference"
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):  # noqa: D102 - see AttentionBackend
+        starts = meta.query_start_loc.tolist()
+        if k_cache is None:
+            out = torch.empty_like(q)
+            for b in range(meta.num_seqs):
+                s, e = starts[b], starts[b + 1]
+                out[s:e] = reference.causal_attention(q[s:e], k[s:e], v[s:e], scale)
+            return out
+        reference.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return reference.paged_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens_cpu, starts, scale
+        )

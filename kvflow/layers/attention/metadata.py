@@ -1,0 +1,52 @@
+"""What attention needs to know about a flat, varlen batch.
+
+A step's tokens are one 1-D tensor: several sequences back to back, no padding.
+Sequence b owns tokens query_start_loc[b]:query_start_loc[b+1]; they are its last
+query_len tokens, so the first one sits at position seq_len - query_len and
+every query attends causally to all of its sequence's earlier positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    query_start_loc: torch.Tensor  # int32 [B + 1], cumulative query lengths (cu_seqlens_q)
+    seq_lens: torch.Tensor  # int32 [B], context length of each sequence including this step's tokens
+    query_lens_cpu: list[int]  # host copies: CPU paths loop or branch on them without a device sync
+    seq_lens_cpu: list[int]
+    slot_mapping: torch.Tensor | None = None  # int64 [T], cache slot of each new token; None: no KV cache
+    block_tables: torch.Tensor | None = None  # int32 [B, max_blocks], padded with 0
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens_cpu, default=0)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_cpu, default=0)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+    @classmethod
+    def for_prompts(cls, lengths: list[int], device: torch.device | str = "cpu") -> AttentionMetadata:
+        """Metadata for whole prompts with no KV cache (used by parity tests and one-shot scoring)."""
+        starts = [0]
+        for n in lengths:
+            starts.append(starts[-1] + n)
+        return cls(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
+            query_lens_cpu=list(lengths),
+            seq_lens_cpu=list(lengths),
+        )

@@ -1,0 +1,64 @@
+"""Plain-PyTorch attention over a paged KV cache: slow, obvious, and the yardstick for every fast kernel.
+
+Cache layout, per layer: k_cache and v_cache are [num_blocks, block_size, num_kv_heads, head_dim];
+token slot s lives at block s // block_size, offset s % block_size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store this step's K/V ([T, Hkv, D]) into their slots. Negative slots are padding and are skipped."""
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first seq_len cached tokens of one sequence, [seq_len, Hkv, D]."""
+    block_size = cache.shape[1]
+    n_blocks = (seq_len + block_size - 1) // block_size
+    return cache[block_table[:n_blocks].long()].flatten(0, 1)[:seq_len]
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One sequence: q [Lq, Hq, D] are the last Lq positions of k/v [Lk, Hkv, D]; grouped-query aware."""
+    lq, hq, _ = q.shape
+    lk, hkv, _ = k.shape
+    group = hq // hkv
+    qf = q.float().transpose(0, 1)  # [Hq, Lq, D]
+    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [Hq, Lq, Lk]
+    q_pos = torch.arange(lk - lq, lk, device=q.device)[:, None]
+    k_pos = torch.arange(lk, device=q.device)[None, :]
+    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), vf)  # [Hq, Lq, D]
+    return out.transpose(0, 1).to(q.dtype)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: list[int],
+    query_start_loc: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """Attention for a flat batch whose K/V (this step's included) already sit in the paged cache."""
+    out = torch.empty_like(q)
+    for b, seq_len in enumerate(seq_lens):
+        start, end = query_start_loc[b], query_start_loc[b + 1]
+        if end == start:
+            continue
+        k = gather_kv(k_cache, block_tables[b], seq_len)
+        v = gather_kv(v_cache, block_tables[b], seq_len)
+        out[start:end] = causal_attention(q[start:end], k, v, scale)
+    return out

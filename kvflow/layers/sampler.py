@@ -1,0 +1,141 @@
+"""Sampler: one batch of logits [B, V] -> one token per row (+ logprobs), each row with its own params.
+
+Order per row: penalties, min_tokens suppression, then greedy rows take the argmax; the others go through
+temperature, top-k / top-p, min-p and an exponential race (argmax of probs / q, q ~ Exp(1)), which draws
+a token with exactly the filtered probabilities. Seeded rows draw q from their own generator, so their
+tokens do not depend on what else is in the batch. Logprobs are taken from the raw logits given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvflow.layers.logit_filters import apply_min_p, apply_top_k_top_p
+from kvflow.layers.penalties import apply_penalties, suppress_tokens
+from kvflow.sampling_params import SamplingParams
+
+# Below this, dividing by the temperature only risks overflow; the distribution is a point mass anyway.
+MIN_TEMPERATURE = 1e-5
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one request for one step."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None = None  # made once per seeded request and kept across steps
+    suppress_token_ids: list[int] = field(default_factory=list)  # masked while below min_tokens
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float | None]  # the chosen token's logprob, for rows that asked for logprobs
+    top_logprobs: list[list[tuple[int, float]] | None]  # (token id, logprob), best first, k = params.logprobs
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """A generator for one seeded request; it must live on the device the logits are on."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    return params.greedy or params.temperature < MIN_TEMPERATURE
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"Sampler: logits {tuple(logits.shape)} do not match {len(rows)} rows")
+        logits = logits.float()
+        raw_logprobs, logprob_rows = _raw_logprobs(logits, rows)
+
+        params = [r.params for r in rows]
+        logits = apply_penalties(
+            logits, params, [r.prompt_token_ids for r in rows], [r.output_token_ids for r in rows]
+        )
+        if any(r.suppress_token_ids for r in rows):
+            logits = suppress_tokens(logits, [r.suppress_token_ids for r in rows])
+
+        greedy = [is_greedy(p) for p in params]
+        sampled_rows = [i for i, g in enumerate(greedy) if not g]
+        if not sampled_rows:
+            tokens = logits.argmax(dim=-1)
+        elif len(sampled_rows) == len(rows):
+            tokens = _sample(logits, rows)
+        else:
+            tokens = logits.argmax(dim=-1)
+            index = torch.tensor(sampled_rows, device=logits.device)
+            tokens[index] = _sample(logits[index], [rows[i] for i in sampled_rows])
+
+        token_ids = tokens.tolist()
+        if raw_logprobs is None:
+            return SamplerOutput(token_ids, [None] * len(rows), [None] * len(rows))
+        return SamplerOutput(token_ids, *_gather_logprobs(raw_logprobs, logprob_rows, tokens, rows))
+
+
+def _raw_logprobs(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor | None, list[int]]:
+    """log_softmax of the raw logits for the rows that asked for logprobs (None when no row did)."""
+    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    if not wanted:
+        return None, wanted
+    if len(wanted) == len(rows):
+        return torch.log_softmax(logits, dim=-1), wanted
+    return torch.log_softmax(logits[torch.tensor(wanted, device=logits.device)], dim=-1), wanted
+
+
+def _gather_logprobs(
+    logprobs: torch.Tensor, wanted: list[int], tokens: torch.Tensor, rows: list[SamplingRow]
+) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
+    index = torch.tensor(wanted, device=tokens.device)
+    chosen = logprobs.gather(1, tokens[index].unsqueeze(1)).squeeze(1).tolist()
+    k_max = max(rows[i].params.logprobs or 0 for i in wanted)
+    top_values: list[list[float]] = [[] for _ in wanted]
+    top_ids: list[list[int]] = [[] for _ in wanted]
+    if k_max > 0:
+        values, ids = logprobs.topk(k_max, dim=-1)
+        top_values, top_ids = values.tolist(), ids.tolist()
+
+    out_chosen: list[float | None] = [None] * len(rows)
+    out_top: list[list[tuple[int, float]] | None] = [None] * len(rows)
+    for j, i in enumerate(wanted):
+        k = rows[i].params.logprobs or 0
+        out_chosen[i] = chosen[j]
+        out_top[i] = list(zip(top_ids[j][:k], top_values[j][:k], strict=True))
+    return out_chosen, out_top
+
+
+def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Sample one token per row of logits [S, V]; every row here is non-greedy."""
+    params = [r.params for r in rows]
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+    logits = logits / temperature.unsqueeze(1)
+    logits = apply_top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
+    if any(p.min_p > 0.0 for p in params):
+        logits = apply_min_p(logits, [p.min_p for p in params])
+
+    # Unnormalised probabilities suffice: the race's argmax does not change when a row is rescaled.
+    weights = (logits - logits.amax(dim=-1, keepdim=True)).exp()
+    return (weights / _exponential_noise(weights, rows)).argmax(dim=-1)
+
+
+def _exponential_noise(like: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """q ~ Exp(1) shaped like `like`, as -log(u) with u ~ U[0, 1): seeded rows draw u from their own
+    generator, the rest in one draw. u = 0 gives q = inf, which just takes that token out of the race."""
+    noise = torch.empty_like(like)
+    unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+    if len(unseeded) == len(rows):
+        noise.uniform_()
+    elif unseeded:
+        index = torch.tensor(unseeded, device=like.device)
+        noise[index] = torch.rand((len(unseeded), like.shape[1]), dtype=like.dtype, device=like.device)
+    for i, row in enumerate(rows):
+        if row.generator is not None:  # one small draw per seeded row: the price of reproducibility
+            noise[i].uniform_(generator=row.generator)
+    return noise.log_().neg_()

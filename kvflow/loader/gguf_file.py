@@ -1,0 +1,156 @@
+"""Read a GGUF file: its metadata as a Hugging Face style config, and its tensors under Hugging Face names.
+
+Quantized tensors are dequantized to float32 here; packed-integer execution is a later layer's job.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvflow.errors import ModelLoadError, UnsupportedModelError
+
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def open_gguf(path: Path):
+    """A GGUFReader, or one clear error for a file that is not a readable GGUF."""
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as exc:  # truncated files raise ValueError/IndexError/struct errors deep inside
+        raise ModelLoadError(f"{path} is not a valid GGUF file (corrupt or truncated): {exc}") from exc
+
+
+def field_value(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def hf_config_from_gguf(reader, path: Path) -> dict:
+    arch = field_value(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{path.name}: GGUF architecture {arch!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}"
+        )
+    _check_tensor_types(reader, path)
+
+    def meta(key: str, default=None):
+        return field_value(reader, f"{arch}.{key}", default)
+
+    heads = int(meta("attention.head_count"))
+    hidden = int(meta("embedding_length"))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = int(meta("vocab_size", len(tokens.data) if tokens is not None else 0))
+    names = {t.name for t in reader.tensors}
+    cfg = {
+        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": int(meta("feed_forward_length")),
+        "num_hidden_layers": int(meta("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta("attention.head_count_kv", heads)),
+        "head_dim": int(meta("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(meta("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(meta("context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "bos_token_id": field_value(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": field_value(reader, "tokenizer.ggml.eos_token_id"),
+    }
+    scaling_type = meta("rope.scaling.type")
+    if scaling_type == "linear":
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
+    elif scaling_type not in (None, "none"):
+        raise UnsupportedModelError(f"{path.name}: rope scaling type {scaling_type!r} is not supported")
+    if "rope_freqs.weight" in names:  # Llama 3.1+ GGUFs store the llama3 scaling as per-frequency factors
+        tensor = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+        cfg["rope_scaling"] = {"rope_type": "freq_factors", "factors": _dequantize(tensor).tolist()}
+    return cfg
+
+
+def _check_tensor_types(reader, path: Path) -> None:
+    for t in reader.tensors:
+        if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
+            raise UnsupportedModelError(
+                f"{path.name}: tensor {t.name} has type {t.tensor_type.name}, which is not supported; "
+                f"supported: {', '.join(SUPPORTED_TENSOR_TYPES)}"
+            )
+
+
+def _dequantize(tensor) -> np.ndarray:
+    from gguf import GGMLQuantizationType, quants
+
+    if tensor.tensor_type == GGMLQuantizationType.BF16:
+        raw = np.asarray(tensor.data).view(np.uint16).astype(np.uint32) << 16
+        return raw.view(np.float32).reshape(tuple(reversed([int(d) for d in tensor.shape])))
+    return quants.dequantize(tensor.data, tensor.tensor_type)
+
+
+def unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp reorders q/k rows of llama models for its interleaved rope; undo it for the half-split layout."""
+    shape = w.shape
+    return w.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)
+
+
+def iter_gguf_weights(reader, cfg: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    permuted = cfg["model_type"] == "llama"
+    for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":
+            continue
+        name = _hf_name(tensor.name)
+        if name is None:
+            raise ModelLoadError(f"GGUF tensor {tensor.name!r} is not one kvflow knows how to place")
+        try:
+            data = torch.from_numpy(np.array(_dequantize(tensor), copy=True))
+        except Exception as exc:
+            raise ModelLoadError(f"cannot read GGUF tensor {tensor.name}: {exc}") from exc
+        if permuted and tensor.name.endswith(("attn_q.weight", "attn_q.bias")):
+            data = unpermute_rope(data, cfg["num_attention_heads"])
+        elif permuted and tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
+            data = unpermute_rope(data, cfg["num_key_value_heads"])
+        yield name, data
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    m = _LAYER_NAME.match(gguf_name)
+    if m is None or m.group(2) not in _LAYER_TENSORS:
+        return None
+    return f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}.{m.group(3)}"

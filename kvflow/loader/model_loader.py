@@ -1,0 +1,120 @@
+"""load_model: from a ModelConfig to a ready model, its tokenizer and its shape."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvflow.config import ModelConfig
+from kvflow.errors import ModelLoadError
+from kvflow.loader import gguf_file, hf_folder
+from kvflow.loader.resolve import ResolvedModel, resolve_model
+from kvflow.loader.tokenizer import load_tokenizer
+from kvflow.models.arch import ArchConfig
+from kvflow.models.registry import model_class_for
+
+log = logging.getLogger("kvflow")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: Any
+    arch: ArchConfig
+    resolved: ResolvedModel
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device 'cuda' was asked for but no CUDA device is available")
+    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+        raise ModelLoadError(f"unknown device {name!r} (use auto, cpu or cuda)")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device, arch: ArchConfig) -> torch.dtype:
+    if name != "auto":
+        if name not in DTYPES:
+            raise ModelLoadError(f"unknown dtype {name!r} (use auto, {', '.join(DTYPES)})")
+        return DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # bf16 matmuls with few rows are slow on CPU; decode is few rows
+    return torch.float16 if arch.torch_dtype == "float16" else torch.bfloat16
+
+
+def set_threads(threads: int | None) -> None:
+    if threads is None:
+        threads = physical_cores()
+    torch.set_num_threads(max(1, threads))
+
+
+def physical_cores() -> int:
+    try:
+        cores = set()
+        with open("/proc/cpuinfo") as f:
+            phys = core = None
+            for line in f:
+                if line.startswith("physical id"):
+                    phys = line.split(":")[1].strip()
+                elif line.startswith("core id"):
+                    core = line.split(":")[1].strip()
+                    cores.add((phys, core))
+        return max(1, min(len(cores) or os.cpu_count() or 1, len(os.sched_getaffinity(0))))
+    except OSError:
+        return os.cpu_count() or 1
+
+
+def read_model_files(resolved: ResolvedModel):
+    """(hf config dict, weight iterator factory, tokenizer) without building the model."""
+    if resolved.kind == "gguf":
+        reader = gguf_file.open_gguf(resolved.path)
+        cfg = gguf_file.hf_config_from_gguf(reader, resolved.path)
+        return cfg, (lambda: gguf_file.iter_gguf_weights(reader, cfg)), load_tokenizer(resolved, reader)
+    cfg = hf_folder.read_config(resolved.path)
+    hf_folder.weight_files(resolved.path)  # fail early, before building anything
+    return cfg, (lambda: hf_folder.iter_weights(resolved.path)), load_tokenizer(resolved)
+
+
+def load_model(config: ModelConfig) -> LoadedModel:
+    resolved = resolve_model(config.model)
+    cfg, weights, tokenizer = read_model_files(resolved)
+    try:
+        arch = ArchConfig.from_hf_config(cfg)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{resolved.path}: config is missing or has a bad field: {exc}") from exc
+    cls = model_class_for(arch)
+    device = pick_device(config.device)
+    dtype = pick_dtype(config.dtype, device, arch)
+    max_len = config.max_model_len or arch.max_position_embeddings
+    with _default_dtype(dtype), torch.device(device):
+        model = cls(arch, max_positions=max_len)
+    try:
+        with torch.no_grad():
+            model.load_weights((name, t.to(device=device, dtype=dtype)) for name, t in weights())
+    except (KeyError, ValueError) as exc:
+        raise ModelLoadError(f"{resolved.path}: {exc}") from exc
+    model.eval()
+    log.info("loaded %s (%s) on %s in %s", resolved.name, arch.architecture, device, str(dtype).split(".")[-1])
+    return LoadedModel(model, tokenizer, arch, resolved, dtype, device, max_len)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)

@@ -1,0 +1,160 @@
+"""The Llama-family decoder (Llama 2/3/3.x, SmolLM, TinyLlama, Mistral), also the base of Qwen2/Qwen3.
+
+forward() takes a flat 1-D batch of tokens from many sequences, their positions and an
+AttentionMetadata; it returns hidden states, and compute_logits() projects only the rows asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from kvflow.layers.activation import silu_and_mul
+from kvflow.layers.attention.backend import AttentionBackend, ReferenceBackend
+from kvflow.layers.attention.metadata import AttentionMetadata
+from kvflow.layers.linear import Linear
+from kvflow.layers.norm import RMSNorm
+from kvflow.layers.rotary import RotaryEmbedding
+from kvflow.models.arch import ArchConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ArchConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
+        self.o_proj = Linear(self.q_size, arch.hidden_size)
+        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.rotary = rotary
+        self.backend: AttentionBackend = ReferenceBackend()
+        self.k_cache: torch.Tensor | None = None  # bound by the model runner
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ArchConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size)
+        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ArchConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(arch, rotary)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = MLP(arch)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    # Checkpoint tensors that we store fused: (our parameter, the checkpoint's name, shard index).
+    stacked_params = (
+        ("qkv_proj", "q_proj", 0),
+        ("qkv_proj", "k_proj", 1),
+        ("qkv_proj", "v_proj", 2),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    )
+
+    def __init__(self, arch: ArchConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.arch = arch
+        rotary = RotaryEmbedding(
+            arch.head_dim, max_positions or arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
+        )
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(arch, rotary) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = Linear(arch.hidden_size, arch.vocab_size)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    @property
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn for layer in self.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (Hugging Face names) into our parameters, fusing q/k/v and gate/up."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.arch.tie_word_embeddings:
+                continue
+            target, shard = name, None
+            for fused, part, index in self.stacked_params:
+                if f".{part}." in name:
+                    target, shard = name.replace(f".{part}.", f".{fused}."), index
+                    break
+            if target not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no place in {self.arch.architecture}")
+            param = params[target]
+            dst = param.data if shard is None else self._shard_view(param.data, target, shard)
+            if dst.shape != tensor.shape:
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            loaded.add(f"{target}#{shard}")
+        self._check_all_loaded(loaded, params)
+
+    def _shard_view(self, data: torch.Tensor, target: str, shard: int) -> torch.Tensor:
+        a = self.arch
+        if ".qkv_proj." in target:
+            sizes = [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim]
+        else:
+            sizes = [a.intermediate_size, a.intermediate_size]
+        start = sum(sizes[:shard])
+        return data.narrow(0, start, sizes[shard])
+
+    def _check_all_loaded(self, loaded: set[str], params: dict[str, nn.Parameter]) -> None:
+        missing = []
+        for name in params:
+            if name == "lm_head.weight" and self.arch.tie_word_embeddings:
+                continue
+            if ".qkv_proj." in name:
+                parts = [0, 1, 2]
+            elif ".gate_up_proj." in name:
+                parts = [0, 1]
+            else:
+                parts = [None]
+            missing += [name for p in parts if f"{name}#{p}" not in loaded]
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(set(missing))[:3]}")

@@ -1,0 +1,32 @@
+"""Which Hugging Face architecture names kvflow runs, and with which class."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from kvflow.errors import UnsupportedModelError
+from kvflow.models.arch import ArchConfig
+from kvflow.models.llama import LlamaForCausalLM
+from kvflow.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def model_class_for(arch: ArchConfig) -> type[nn.Module]:
+    cls = MODEL_CLASSES.get(arch.architecture)
+    if cls is None:
+        raise UnsupportedModelError(
+            f"architecture {arch.architecture!r} is not supported; supported: {', '.join(MODEL_CLASSES)}"
+        )
+    if arch.architecture == "MistralForCausalLM" and arch.raw.get("sliding_window"):
+        window = arch.raw["sliding_window"]
+        if window < arch.max_position_embeddings:
+            raise UnsupportedModelError(
+                f"MistralForCausalLM with a sliding window ({window} tokens) is not supported"
+            )
+    return cls

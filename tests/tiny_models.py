@@ -1,0 +1,71 @@
+"""Tiny random-weight checkpoints of each supported architecture, written with transformers at test time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY_VOCAB = 384
+
+COMMON = dict(
+    vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+    bos_token_id=1, eos_token_id=2, initializer_range=0.15,
+)
+
+# name -> (transformers config class name, extra config fields)
+TINY_ARCHS = {
+    "llama": ("LlamaConfig", dict(rope_theta=10000.0, tie_word_embeddings=False)),
+    "llama3.2": ("LlamaConfig", dict(
+        rope_theta=500000.0, tie_word_embeddings=True, num_key_value_heads=1,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    )),
+    "mistral": ("MistralConfig", dict(sliding_window=None, rope_theta=1000000.0, tie_word_embeddings=False)),
+    "qwen2": ("Qwen2Config", dict(rope_theta=1000000.0, tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(head_dim=32, rope_theta=1000000.0, tie_word_embeddings=True)),
+}
+
+
+def tiny_tokenizer(folder: Path) -> None:
+    """A byte-level BPE trained in-process on a little text, saved as tokenizer.json + a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB, special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    corpus = ["the quick brown fox jumps over the lazy dog", "hello world, how are you today?",
+              "def f(x):\n    return x * 2", "paged attention keeps many sequences in memory"] * 20
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        chat_template="{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                      "{% if add_generation_prompt %}<s>assistant: {% endif %}",
+    )
+    fast.save_pretrained(folder)
+
+
+def make_tiny_checkpoint(name: str, folder: Path, seed: int = 0) -> Path:
+    import transformers
+
+    cls_name, extra = TINY_ARCHS[name]
+    fields = {**COMMON, **extra}
+    config = getattr(transformers, cls_name)(**fields)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32)
+    with torch.no_grad():  # norms start at 1; give them some spread so every weight matters
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+            elif n.endswith("bias"):
+                p.normal_(0, 0.1)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    tiny_tokenizer(folder)
+    return folder
