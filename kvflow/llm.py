@@ -13,6 +13,7 @@ from typing import Any
 
 from kvflow.config import engine_config
 from kvflow.engine.engine import LLMEngine
+from kvflow.loader.model_loader import LoadedModel
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
 
@@ -20,8 +21,16 @@ Prompt = str | Sequence[int] | dict
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, attention_backend: str = "auto", **engine_options: Any):
-        self.engine = LLMEngine(engine_config(model=model, **engine_options), attention_backend)
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        attention_backend: str = "auto",
+        loaded_model: LoadedModel | None = None,
+        **engine_options: Any,
+    ):
+        config = engine_config(model=model, **engine_options)
+        self.engine = LLMEngine(config, attention_backend, loaded_model)
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -21,7 +21,7 @@ from kvflow.engine.runner import ModelRunner
 from kvflow.engine.scheduler import Scheduler
 from kvflow.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from kvflow.layers.sampler import Sampler, SamplingRow, make_generator
-from kvflow.loader.model_loader import load_model, set_threads
+from kvflow.loader.model_loader import LoadedModel, load_model, set_threads
 from kvflow.outputs import Logprob, RequestOutput
 from kvflow.sampling_params import SamplingParams
 
@@ -29,11 +29,14 @@ log = logging.getLogger("kvflow")
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, attention_backend: str = "auto") -> None:
+    def __init__(
+        self, config: EngineConfig, attention_backend: str = "auto", loaded: LoadedModel | None = None
+    ) -> None:
+        """`loaded` reuses a model already in memory (tests and benchmarks build several engines on one)."""
         self.config = config
         set_threads(config.model.threads)
         torch.manual_seed(config.model.seed)
-        self.loaded = load_model(config.model)
+        self.loaded = loaded or load_model(config.model)
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = self.loaded.max_model_len
         config.scheduler.max_model_len = self.max_model_len

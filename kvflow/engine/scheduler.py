@@ -182,7 +182,8 @@ class Scheduler:
         return out
 
     def _chunk_size(self, num_left: int, budget: int) -> int:
-        """How many of a request's num_left tokens to compute now; 0 means not this step."""
+        """How many of a request's num_left tokens to compute now; 0 means not this step. Without chunked
+        prefill a request runs whole or waits, so the per-request threshold does not apply."""
         if not self.config.enable_chunked_prefill:
             return num_left if num_left <= budget else 0
         if self.config.long_prefill_token_threshold > 0:

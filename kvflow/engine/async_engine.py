@@ -1,0 +1,322 @@
+"""AsyncEngine: the LLMEngine step loop on its own thread, with one asyncio stream per request.
+
+The engine is not thread-safe, so exactly one thread (started here) touches it. Other threads talk to it
+through a command inbox guarded by a condition variable: adds and aborts are applied before the next step,
+and the thread sleeps on the condition when it has nothing to do. Outputs go back to each caller's event
+loop with one `call_soon_threadsafe` per step; a stream's queue is unbounded, so a slow client never
+blocks a step, and a reader that falls behind gets its pending outputs merged into one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+from kvflow.engine.engine import LLMEngine
+from kvflow.outputs import RequestOutput
+from kvflow.sampling_params import SamplingParams
+
+log = logging.getLogger("kvflow")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed while running this request, or is shut down."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot taken by the engine thread after every step and every batch of commands."""
+
+    num_running: int = 0
+    num_waiting: int = 0  # in the scheduler, plus adds not yet applied
+    num_blocks: int = 0
+    num_free_blocks: int = 0  # cached-but-unreferenced blocks count as free
+    kv_cache_usage: float = 0.0  # fraction of blocks held by requests
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
+
+    @property
+    def num_blocks_used(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+
+class RequestStream:
+    """Async iterator over one request's outputs; ends after the finished output or raises its error."""
+
+    def __init__(self, request_id: str, engine: AsyncEngine) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        # A reader that fell behind gets everything pending at once, as one output.
+        while isinstance(item, RequestOutput) and not item.finished and not self._queue.empty():
+            nxt = self._queue.get_nowait()
+            item = merge_outputs(item, nxt) if isinstance(nxt, RequestOutput) else nxt
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def abort(self) -> None:
+        """Ask the engine to stop this request (idempotent; a no-op once finished)."""
+        if not self.finished:
+            self._engine.abort(self.request_id)
+
+
+def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """Fold an earlier output's deltas into a later one (cumulative fields are already in the later)."""
+    previous = {c.index: c for c in older.outputs}
+    for c in newer.outputs:
+        p = previous.get(c.index)
+        if p is not None:
+            c.delta_text = p.delta_text + c.delta_text
+            c.delta_token_ids = p.delta_token_ids + c.delta_token_ids
+    return newer
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    stream: RequestStream
+    loop: asyncio.AbstractEventLoop
+    admitted: asyncio.Future
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._cond = threading.Condition()
+        self._inbox: list[_Add | str] = []  # a str is an abort
+        self._pending_adds = 0
+        self._stopping = False
+        self._streams: dict[str, tuple[RequestStream, asyncio.AbstractEventLoop]] = {}  # engine thread only
+        self._finished_preemptions = 0
+        self._ids = itertools.count(1)
+        self._stats = EngineStats()
+        self._thread: threading.Thread | None = None
+        # Called on the caller's event loop with each finished output (metrics).
+        self.finished_listeners: list[Callable[[RequestOutput], None]] = []
+        self.num_engine_errors = 0
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._update_stats()
+            self._thread = threading.Thread(target=self._run, name="kvflow-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        """Stop the loop; requests still running are aborted and their streams get EngineDeadError."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    # ---- any thread --------------------------------------------------------------------------------
+    @property
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting to be scheduled, counting those submitted but not yet seen by the engine."""
+        with self._cond:
+            return self._stats.num_waiting
+
+    def abort(self, request_id: str) -> None:
+        with self._cond:
+            self._inbox.append(request_id)
+            self._cond.notify()
+
+    async def add_request(
+        self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
+    ) -> RequestStream:
+        """Queue a request and wait until the engine accepts it. Raises ValueError when it cannot run
+        (prompt too long, max_tokens too large...), EngineDeadError once the engine is shut down."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        stream = RequestStream(request_id, self)
+        add = _Add(request_id, prompt if isinstance(prompt, str) else list(prompt), params, stream, loop,
+                   loop.create_future())
+        with self._cond:
+            self._inbox.append(add)
+            self._pending_adds += 1
+            self._stats = _with_waiting(self._stats, self._stats.num_waiting + 1)
+            self._cond.notify()
+        try:
+            await add.admitted
+        except asyncio.CancelledError:
+            self.abort(request_id)  # the caller went away before admission: don't leave it running
+            raise
+        return stream
+
+    async def generate(
+        self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """add_request + iterate, aborting the request if the consumer stops early."""
+        stream = await self.add_request(prompt, params, request_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    # ---- engine thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._inbox and not self._stopping and not self.engine.has_unfinished_requests():
+                    self._cond.wait()
+                inbox, self._inbox = self._inbox, []
+                stopping = self._stopping
+            self._apply(inbox)
+            if stopping:
+                self._fail_all(EngineDeadError("the engine was shut down"))
+                return
+            if self.engine.has_unfinished_requests():
+                self._step()
+            self._update_stats()
+
+    def _apply(self, inbox: list[_Add | str]) -> None:
+        deliveries: list[tuple[RequestStream, asyncio.AbstractEventLoop, RequestOutput]] = []
+        for item in inbox:
+            if isinstance(item, str):
+                out = self.engine.abort_request(item)
+                entry = self._streams.pop(item, None)
+                if entry is not None and out is not None:
+                    self._finished_preemptions += out.metrics.num_preemptions
+                    deliveries.append((entry[0], entry[1], out))
+                continue
+            error: BaseException | None = None
+            try:
+                self.engine.add_request(item.request_id, item.prompt, item.params)
+                self._streams[item.request_id] = (item.stream, item.loop)
+            except ValueError as exc:
+                error = exc
+            except Exception as exc:  # a bug, not bad input: report it to this caller, keep serving others
+                log.exception("adding request %s failed", item.request_id)
+                error = EngineDeadError(f"the engine could not add the request: {exc}")
+            _call_soon(item.loop, _resolve, item.admitted, error)
+        with self._cond:
+            self._pending_adds -= sum(1 for item in inbox if not isinstance(item, str))
+        self._deliver(deliveries)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            log.exception("engine step failed; failing the requests in flight")
+            self.num_engine_errors += 1
+            self._fail_all(EngineDeadError(f"engine step failed: {exc}"))
+            return
+        deliveries = []
+        for out in outputs:
+            entry = self._streams.get(out.request_id)
+            if entry is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+                self._finished_preemptions += out.metrics.num_preemptions
+            deliveries.append((entry[0], entry[1], out))
+        self._deliver(deliveries)
+
+    def _fail_all(self, error: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        for request_id, (stream, loop) in streams.items():
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                log.exception("abort of %s failed", request_id)
+            _call_soon(loop, stream._put, error)
+
+    def _deliver(self, deliveries: list[tuple[RequestStream, asyncio.AbstractEventLoop, RequestOutput]]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+        for stream, loop, out in deliveries:
+            by_loop.setdefault(loop, []).append((stream, out))
+        for loop, batch in by_loop.items():
+            _call_soon(loop, self._dispatch, batch)
+
+    def _dispatch(self, batch: list[tuple[RequestStream, RequestOutput]]) -> None:
+        """Runs on the caller's event loop."""
+        for stream, out in batch:
+            stream._put(out)
+            if out.finished:
+                for listener in self.finished_listeners:
+                    try:
+                        listener(out)
+                    except Exception:
+                        log.exception("finished-request listener failed")
+
+    def _update_stats(self) -> None:
+        scheduler = self.engine.scheduler
+        kv = scheduler.kv_cache_manager
+        preemptions = getattr(scheduler, "num_preemptions", None)
+        if not isinstance(preemptions, int):
+            live = sum(r.num_preemptions for r in list(scheduler.requests.values()))
+            preemptions = self._finished_preemptions + live
+        with self._cond:
+            self._stats = EngineStats(
+                num_running=scheduler.num_running,
+                num_waiting=scheduler.num_waiting + self._pending_adds,
+                num_blocks=kv.num_blocks,
+                num_free_blocks=kv.num_free_blocks,
+                kv_cache_usage=kv.usage,
+                prefix_queried_tokens=kv.queried_tokens,
+                prefix_hit_tokens=kv.hit_tokens,
+                num_preemptions=preemptions,
+                num_steps=self.engine.num_steps,
+            )
+
+
+def _with_waiting(stats: EngineStats, num_waiting: int) -> EngineStats:
+    from dataclasses import replace
+
+    return replace(stats, num_waiting=num_waiting)
+
+
+def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():  # the caller was cancelled meanwhile
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # that loop is closed: its caller is gone
+        pass

@@ -1,0 +1,88 @@
+"""The FastAPI app: OpenAI and Ollama routes over one AsyncEngine, plus /health, /metrics and errors.
+
+The model is loaded before the app is built (kvflow serve opens its port only once the model is ready),
+and the engine thread runs for the app's lifespan: started at startup, stopped at shutdown, after the
+server has let the streams in flight finish.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvflow.engine.async_engine import AsyncEngine
+from kvflow.server import ollama_api, openai_api
+from kvflow.server.errors import APIError, error_response
+from kvflow.server.metrics import CONTENT_TYPE
+from kvflow.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from kvflow.server.state import ServerSettings, ServerState, get_state
+
+log = logging.getLogger("kvflow")
+
+
+def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
+    state = ServerState(engine, settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="kvflow", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.kvflow = state
+    app.include_router(openai_api.router)
+    app.include_router(ollama_api.router)
+    _add_basic_routes(app)
+    _add_error_handlers(app, state)
+    # Added last = runs first: the size limit, then the key, then the routes.
+    count = _error_counter(state)
+    if settings.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, on_error=count)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, on_error=count)
+    return app
+
+
+def _error_counter(state: ServerState):
+    return lambda error: state.metrics.count_error(error.kind)
+
+
+def _add_basic_routes(app: FastAPI) -> None:
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        ok = get_state(request).engine.is_running
+        return PlainTextResponse("ok" if ok else "engine not running", status_code=200 if ok else 503)
+
+    @app.get("/")
+    async def root() -> Response:
+        return PlainTextResponse("kvflow is running")
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(get_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        state.metrics.count_error(exc.kind)
+        return error_response(request, exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        error = APIError(exc.status_code, str(exc.detail), None, None, dict(exc.headers or {}))
+        return await api_error(request, error)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return await api_error(request, APIError(400, f"invalid request: {exc.errors()}"))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return await api_error(request, APIError(500, f"internal error: {type(exc).__name__}: {exc}"))

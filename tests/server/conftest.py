@@ -1,0 +1,33 @@
+"""Servers shared by the tests: a tiny random Llama (fast, for protocol and error tests) and the default
+model SmolLM2 (real text, for parity and streaming). Each is one `kvflow serve` subprocess."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tiny_models import make_tiny_checkpoint
+
+from server.server_process import ServerProcess
+
+TINY_NAME = "tiny-llama"
+DEFAULT_NAME = "smollm2-135m"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("models") / TINY_NAME)
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_model_dir):
+    server = ServerProcess("--model", str(tiny_model_dir), "--kv-cache-memory", "64MiB")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def default_server():
+    server = ServerProcess("--kv-cache-memory", "256MiB")
+    yield server
+    server.stop()
