@@ -257,9 +257,12 @@ async def run_requests(
             return res
 
         tasks = []
-        for spec, gap in zip(specs, arrival_gaps(len(specs), cfg.request_rate, cfg.seed), strict=True):
-            if gap:
-                await asyncio.sleep(gap)
+        arrivals = itertools.accumulate(arrival_gaps(len(specs), cfg.request_rate, cfg.seed))
+        for spec, arrival in zip(specs, arrivals, strict=True):
+            # Sleep to an absolute schedule so that oversleeping does not accumulate.
+            delay = t0 + arrival - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one(spec)))
         results = list(await asyncio.gather(*tasks))
         duration = time.perf_counter() - t0

@@ -16,7 +16,7 @@ from kvflow.loader import gguf_file, hf_folder
 from kvflow.loader.resolve import ResolvedModel, resolve_model
 from kvflow.loader.tokenizer import load_tokenizer
 from kvflow.models.arch import ArchConfig
-from kvflow.models.registry import model_class_for
+from kvflow.models.registry import check_architecture_name, model_class_for
 
 log = logging.getLogger("kvflow")
 
@@ -77,24 +77,32 @@ def physical_cores() -> int:
 
 
 def read_model_files(resolved: ResolvedModel):
-    """(hf config dict, weight iterator factory, tokenizer) without building the model."""
+    """(hf config dict, weight iterator factory, tokenizer factory): cheap checks first, heavy reads later."""
     if resolved.kind == "gguf":
         reader = gguf_file.open_gguf(resolved.path)
         cfg = gguf_file.hf_config_from_gguf(reader, resolved.path)
-        return cfg, (lambda: gguf_file.iter_gguf_weights(reader, cfg)), load_tokenizer(resolved, reader)
+        return cfg, (lambda: gguf_file.iter_gguf_weights(reader, cfg)), (lambda: load_tokenizer(resolved, reader))
     cfg = hf_folder.read_config(resolved.path)
-    hf_folder.weight_files(resolved.path)  # fail early, before building anything
-    return cfg, (lambda: hf_folder.iter_weights(resolved.path)), load_tokenizer(resolved)
+    return cfg, (lambda: hf_folder.iter_weights(resolved.path)), (lambda: load_tokenizer(resolved))
 
 
-def load_model(config: ModelConfig) -> LoadedModel:
-    resolved = resolve_model(config.model)
-    cfg, weights, tokenizer = read_model_files(resolved)
+def read_arch(resolved: ResolvedModel, cfg: dict) -> ArchConfig:
     try:
         arch = ArchConfig.from_hf_config(cfg)
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelLoadError(f"{resolved.path}: config is missing or has a bad field: {exc}") from exc
+    return arch
+
+
+def load_model(config: ModelConfig) -> LoadedModel:
+    resolved = resolve_model(config.model)
+    cfg, weights, tokenizer_factory = read_model_files(resolved)
+    check_architecture_name(cfg)  # refuse unsupported models before reading any field they may lack
+    arch = read_arch(resolved, cfg)
     cls = model_class_for(arch)
+    if resolved.kind == "hf":
+        hf_folder.weight_files(resolved.path)
+    tokenizer = tokenizer_factory()
     device = pick_device(config.device)
     dtype = pick_dtype(config.dtype, device, arch)
     max_len = config.max_model_len or arch.max_position_embeddings

@@ -17,12 +17,17 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
 }
 
 
-def model_class_for(arch: ArchConfig) -> type[nn.Module]:
-    cls = MODEL_CLASSES.get(arch.architecture)
-    if cls is None:
+def check_architecture_name(hf_config: dict) -> None:
+    names = hf_config.get("architectures") or [hf_config.get("model_type", "unknown")]
+    if names[0] not in MODEL_CLASSES:
         raise UnsupportedModelError(
-            f"architecture {arch.architecture!r} is not supported; supported: {', '.join(MODEL_CLASSES)}"
+            f"architecture {names[0]!r} is not supported; supported: {', '.join(MODEL_CLASSES)}"
         )
+
+
+def model_class_for(arch: ArchConfig) -> type[nn.Module]:
+    check_architecture_name({"architectures": [arch.architecture]})
+    cls = MODEL_CLASSES[arch.architecture]
     if arch.architecture == "MistralForCausalLM" and arch.raw.get("sliding_window"):
         window = arch.raw["sliding_window"]
         if window < arch.max_position_embeddings:
