@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from tiny_models import TINY_ARCHS, make_tiny_checkpoint
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from engine_helpers import GREEDY_32, PROMPTS, greedy_tokens, make_llm
 
 TARGET = PROMPTS[0]

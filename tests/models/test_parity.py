@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import TINY_ARCHS
 
 from kvflow import LLM, SamplingParams
 from kvflow.config import ModelConfig
 from kvflow.layers.attention.metadata import AttentionMetadata
 from kvflow.loader.model_loader import load_model
-from tiny_models import TINY_ARCHS
 
 REL_TOL = 1e-4
 
