@@ -62,14 +62,19 @@ class ModelRunner:
             raise ValueError(f"kv_cache_memory is too small for even one block ({per_block} bytes)")
         self.kv_caches = allocate_kv_cache(loaded.arch, self.num_blocks, self.block_size, self.kv_dtype, self.device)
         self.backend = choose_backend(self.device, attention_backend)
-        for layer, (k_cache, v_cache) in zip(self.model.attention_layers, self.kv_caches):
-            layer.k_cache, layer.v_cache, layer.backend = k_cache, v_cache, self.backend
+        self.bind_kv_cache()
         log.info(
             "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %s)",
             self.num_blocks, self.block_size, self.capacity_tokens,
             self.num_blocks * bytes_per_block(loaded.arch, self.block_size, self.kv_dtype) / 2**20,
             str(self.kv_dtype).split(".")[-1],
         )
+
+    def bind_kv_cache(self) -> None:
+        """Point every attention layer at this runner's cache and backend. Done before each step too, so
+        several engines may share one loaded model (tests, benchmarks) as long as they take turns."""
+        for layer, (k_cache, v_cache) in zip(self.model.attention_layers, self.kv_caches):
+            layer.k_cache, layer.v_cache, layer.backend = k_cache, v_cache, self.backend
 
     @property
     def capacity_tokens(self) -> int:
@@ -128,6 +133,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output) -> tuple[torch.Tensor, list[str]]:
         """Run one step; returns float32 logits [num sampled sequences, vocab] and their request ids."""
+        self.bind_kv_cache()
         self.copy_blocks(scheduler_output.block_copies)
         if not scheduler_output.scheduled:
             return torch.empty(0, self.loaded.arch.vocab_size), []
