@@ -15,7 +15,7 @@ import logging
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvflow.engine.engine import LLMEngine
 from kvflow.outputs import RequestOutput
@@ -201,13 +201,18 @@ class AsyncEngine:
                     self._cond.wait()
                 inbox, self._inbox = self._inbox, []
                 stopping = self._stopping
-            self._apply(inbox)
-            if stopping:
-                self._fail_all(EngineDeadError("the engine was shut down"))
-                return
-            if self.engine.has_unfinished_requests():
-                self._step()
-            self._update_stats()
+            try:
+                self._apply(inbox)
+                if stopping:
+                    self._fail_all(EngineDeadError("the engine was shut down"))
+                    return
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self._update_stats()
+            except Exception as exc:  # never let the loop die: fail what is in flight and carry on
+                log.exception("engine loop error; failing the requests in flight")
+                self.num_engine_errors += 1
+                self._fail_all(EngineDeadError(f"engine loop failed: {exc}"))
 
     def _apply(self, inbox: list[_Add | str]) -> None:
         deliveries: list[tuple[RequestStream, asyncio.AbstractEventLoop, RequestOutput]] = []
@@ -301,8 +306,6 @@ class AsyncEngine:
 
 
 def _with_waiting(stats: EngineStats, num_waiting: int) -> EngineStats:
-    from dataclasses import replace
-
     return replace(stats, num_waiting=num_waiting)
 
 

@@ -7,6 +7,7 @@ import datetime
 import hashlib
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -65,7 +66,7 @@ async def generate(request: Request):
     else:
         system = [{"role": "system", "content": body.system}] if body.system else []
         prompt = render_chat(state.tokenizer, system + [{"role": "user", "content": body.prompt}], "prompt")
-    streams = await submit(state, [prompt], params, f"ollama-gen-{started}")
+    streams = await submit(state, [prompt], params, f"ollama-gen-{uuid.uuid4().hex}")
 
     def piece(text: str) -> dict:
         return {"model": state.model_name, "created_at": _now_iso(), "response": text, "done": False}
@@ -93,7 +94,7 @@ async def chat(request: Request):
     if not body.messages:  # loads the model in Ollama
         return {**piece(""), "done": True, "done_reason": "load"}
     prompt = render_chat(state.tokenizer, [m.as_template_dict() for m in body.messages])
-    streams = await submit(state, [prompt], params, f"ollama-chat-{started}")
+    streams = await submit(state, [prompt], params, f"ollama-chat-{uuid.uuid4().hex}")
 
     def final(out: RequestOutput, text: str) -> dict:
         return {**piece(text), **_final_fields(out, started)}

@@ -89,7 +89,7 @@ def _json_with_timings(body: dict) -> JSONResponse:
 
 
 class _ChoiceCursor:
-    """Per streamed choice: tokens and text sent so far (for logprob slices and text offsets)."""
+    """Per streamed choice: tokens sent so far (for logprob slices) and the next logprobs text_offset."""
 
     def __init__(self, text_offset: int = 0) -> None:
         self.tokens = 0
@@ -146,12 +146,13 @@ async def _completion_events(
         cursor = cursors.setdefault(index, _ChoiceCursor())
         if cursor.done:
             continue
-        offset = cursor.text
         ids, entries = cursor.advance(c)
-        cursor.text += len(c.delta_text)
         if not c.delta_text and c.finish_reason is None and k is None:
             continue  # tokens whose text is held back (a possible stop string, a partial character)
-        lp = completion_logprobs(ids, entries, k, offset) if k is not None else None
+        lp = None
+        if k is not None:
+            lp = completion_logprobs(ids, entries, k, cursor.text)
+            cursor.text += sum(len(t) for t in lp["tokens"])  # offsets count decoded tokens, as unstreamed
         choice = {"index": index, "text": c.delta_text, "logprobs": lp, "finish_reason": c.finish_reason}
         yield sse({**head, "choices": [choice], **tail})
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from engine_helpers import GREEDY_32, PROMPTS, greedy_tokens, make_llm
+
 from kvflow import SamplingParams
 
 

@@ -13,12 +13,12 @@ from kvflow.engine.async_engine import AsyncEngine, EngineDeadError
 from kvflow.engine.engine import LLMEngine
 from kvflow.sampling_params import SamplingParams
 
-LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+LONG = SamplingParams(temperature=0, max_tokens=170, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    # 12 blocks of 16 tokens: small enough that four 100-token requests must preempt each other.
+    # 12 blocks of 16 tokens: small enough that four ~95-token requests must preempt each other.
     llm = LLMEngine(engine_config(model=str(tiny_model_dir), num_blocks=12, block_size=16))
     async_engine = AsyncEngine(llm)
     async_engine.start()
@@ -71,7 +71,7 @@ def test_abort_from_another_thread_frees_blocks(engine):
     first, outs = asyncio.run(run())
     assert not first.finished
     assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
-    assert len(outs[-1].outputs[0].token_ids) < 400
+    assert len(outs[-1].outputs[0].token_ids) < 170
     wait_idle(engine)
 
 
@@ -97,16 +97,44 @@ def test_idle_engine_thread_sleeps(engine):
     assert spent < 0.2  # a spinning loop would burn a whole core here
 
 
+async def last(stream):
+    outs = [out async for out in stream]
+    return outs[-1]
+
+
 def test_preemptions_are_counted(engine):
     params = SamplingParams(temperature=0, max_tokens=90, ignore_eos=True)
 
     async def run():
         streams = [await engine.add_request(f"prompt number {i}", params) for i in range(4)]
-        return [[out async for out in s][-1] for s in streams]
+        return [await last(s) for s in streams]
 
     finals = asyncio.run(run())
     assert all(len(f.outputs[0].token_ids) == 90 for f in finals)
     assert engine.stats.num_preemptions > 0
+    wait_idle(engine)
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(engine, monkeypatch):
+    real_step = engine.engine.step
+    calls = []
+
+    def broken_step():
+        if not calls:
+            calls.append(1)
+            raise RuntimeError("injected fault")
+        return real_step()
+
+    monkeypatch.setattr(engine.engine, "step", broken_step)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+
+    async def run():
+        with pytest.raises(EngineDeadError, match="injected fault"):
+            await last(await engine.add_request("hello", params))
+        return await last(await engine.add_request("hello", params))
+
+    after = asyncio.run(run())
+    assert len(after.outputs[0].token_ids) == 5
     wait_idle(engine)
 
 

@@ -10,7 +10,7 @@ import openai
 
 from server.conftest import TINY_NAME
 
-LONG = {"max_tokens": 480, "ignore_eos": True, "temperature": 0, "stream": True}
+LONG = {"max_tokens": 4000, "ignore_eos": True, "temperature": 0, "stream": True}
 
 
 def wait_until_idle(server, timeout: float = 20.0) -> None:
@@ -49,7 +49,7 @@ def test_dropped_streams_are_aborted_and_free_their_blocks(tiny_server):
     wait_until_idle(tiny_server)
     assert tiny_server.metric("kvflow:kv_cache_usage_perc") == 0.0
     aborted = tiny_server.metric("kvflow:request_success_total", 'finished_reason="abort"') - aborted_before
-    assert aborted == 16  # none of them ran to its 480 tokens
+    assert aborted == 16  # none of them ran to its 4000 tokens
     client = openai.OpenAI(base_url=f"{tiny_server.base_url}/v1", api_key="x", max_retries=0)
     after = client.completions.create(model=TINY_NAME, prompt="hello", max_tokens=4, extra_body={"ignore_eos": True})
     assert after.usage.completion_tokens == 4
@@ -60,7 +60,7 @@ def test_closing_an_openai_stream_aborts_it(tiny_server):
     aborted_before = tiny_server.metric("kvflow:request_success_total", 'finished_reason="abort"')
     client = openai.OpenAI(base_url=f"{tiny_server.base_url}/v1", api_key="x", max_retries=0)
     stream = client.chat.completions.create(
-        model=TINY_NAME, messages=[{"role": "user", "content": "hi"}], stream=True, max_tokens=480,
+        model=TINY_NAME, messages=[{"role": "user", "content": "hi"}], stream=True, max_tokens=4000,
         temperature=0, extra_body={"ignore_eos": True},
     )
     next(iter(stream))
@@ -72,7 +72,7 @@ def test_closing_an_openai_stream_aborts_it(tiny_server):
 def test_non_streaming_client_that_times_out_is_aborted(tiny_server):
     wait_until_idle(tiny_server)
     aborted_before = tiny_server.metric("kvflow:request_success_total", 'finished_reason="abort"')
-    body = {"prompt": "hello", "max_tokens": 480, "ignore_eos": True, "n": 8}
+    body = {"prompt": "hello", "max_tokens": 4000, "ignore_eos": True, "n": 8}
     try:
         httpx.post(f"{tiny_server.base_url}/v1/completions", json=body, timeout=0.3)
     except httpx.TimeoutException:

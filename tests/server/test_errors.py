@@ -7,7 +7,7 @@ import ollama
 import openai
 import pytest
 
-from server.conftest import TINY_NAME
+from server.conftest import TINY_CONTEXT, TINY_NAME
 from server.server_process import KeyedServerProcess
 
 GOOD = {"prompt": "hello", "max_tokens": 2, "ignore_eos": True}
@@ -44,6 +44,10 @@ def assert_still_serves(server) -> None:
     ({**GOOD, "logit_bias": {"5": 1.0}}, "logit_bias", "unsupported_parameter", "logit_bias is not supported"),
     ({"max_tokens": 2}, "prompt", "missing_parameter", "missing required field: prompt"),
     ({**GOOD, "prompt": []}, "prompt", None, "the prompt is empty"),
+    ({**GOOD, "prompt": [1, 99999]}, "prompt", None, "prompt token ids must be in [0, 384)"),
+    ({**GOOD, "prompt": [[1, 2], []]}, "prompt", None, "the prompt is empty"),
+    ({**GOOD, "suffix": "x"}, "suffix", "unsupported_parameter", "suffix is not supported"),
+    ({**GOOD, "echo": True, "logprobs": 1}, "echo", "unsupported_parameter", "echo with logprobs"),
 ])
 def test_bad_completion_fields_are_400(tiny_server, body, param, code, message):
     assert_error(post(tiny_server, "/v1/completions", body), 400, param, code, message)
@@ -62,14 +66,14 @@ def test_bad_chat_fields_are_400(tiny_server):
 
 
 def test_prompt_longer_than_the_context_states_both_lengths(tiny_server):
-    r = post(tiny_server, "/v1/completions", {"prompt": [5] * 600, "max_tokens": 1})
-    assert_error(r, 400, "prompt", None, ("600 tokens", "512 tokens"))
+    r = post(tiny_server, "/v1/completions", {"prompt": [5] * 5000, "max_tokens": 1})
+    assert_error(r, 400, "prompt", None, ("5000 tokens", f"{TINY_CONTEXT} tokens"))
     assert_still_serves(tiny_server)
 
 
 def test_max_tokens_that_cannot_fit(tiny_server):
-    r = post(tiny_server, "/v1/completions", {"prompt": [5] * 10, "max_tokens": 600})
-    assert_error(r, 400, "max_tokens", None, ("10 tokens", "max_tokens is 600", "512"))
+    r = post(tiny_server, "/v1/completions", {"prompt": [5] * 10, "max_tokens": 5000})
+    assert_error(r, 400, "max_tokens", None, ("10 tokens", "max_tokens is 5000", str(TINY_CONTEXT)))
     assert_still_serves(tiny_server)
 
 
@@ -117,7 +121,7 @@ def test_unknown_route_is_404_in_openai_shape(tiny_server):
 def guarded_server(tiny_model_dir):
     """An API key, one running request at a time and at most one waiting."""
     server = KeyedServerProcess("sekret", "--model", str(tiny_model_dir), "--kv-cache-memory", "64MiB",
-                                "--max-num-seqs", "1", "--max-waiting", "1")
+                                "--max-num-seqs", "1", "--max-waiting", "1", "--served-model-name", "house-model")
     yield server
     server.stop()
 
@@ -133,14 +137,17 @@ def test_api_key_is_required_except_for_health(guarded_server):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
     good = openai.OpenAI(base_url=f"{url}/v1", api_key="sekret", max_retries=0)
-    done = good.completions.create(model=TINY_NAME, prompt="hi", max_tokens=2, extra_body={"ignore_eos": True})
-    assert done.usage.completion_tokens == 2
+    assert [m.id for m in good.models.list().data] == ["house-model"]  # --served-model-name
+    assert "KV cache" in guarded_server.output() and url in guarded_server.output()  # the start banner
+    for name in ("house-model", TINY_NAME):  # the served name, and the model's own name as an alias
+        done = good.completions.create(model=name, prompt="hi", max_tokens=2, extra_body={"ignore_eos": True})
+        assert done.usage.completion_tokens == 2 and done.model == "house-model"
     assert guarded_server.metric("kvflow:request_errors_total", 'kind="unauthorized"') >= 3
 
 
 def test_full_waiting_queue_is_503_with_retry_after(guarded_server):
     url, headers = guarded_server.base_url, guarded_server.auth_headers()
-    long = {"prompt": "hello", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    long = {"prompt": "hello", "max_tokens": 4000, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=url, headers=headers, timeout=60) as client:
         with client.stream("POST", "/v1/completions", json=long) as running:
             next(running.iter_lines())  # the first is running...

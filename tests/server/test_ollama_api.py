@@ -8,7 +8,7 @@ import httpx
 import ollama
 import pytest
 
-from server.conftest import TINY_NAME
+from server.conftest import TINY_CONTEXT, TINY_NAME
 
 GREEDY = {"temperature": 0, "num_predict": 6}
 
@@ -25,7 +25,7 @@ def test_root_version_tags_and_show(client, tiny_server):
     (model,) = client.list().models
     assert model.model == TINY_NAME and model.size > 0 and model.details.family == "llama"
     shown = client.show(TINY_NAME)
-    assert "assistant" in shown.template and shown.modelinfo["llama.context_length"] == 512
+    assert "assistant" in shown.template and shown.modelinfo["llama.context_length"] == TINY_CONTEXT
     assert shown.capabilities == ["completion"]
     with pytest.raises(ollama.ResponseError) as info:
         client.show("other-model")

@@ -141,6 +141,33 @@ def test_completion_stream_equals_non_stream(client):
     assert [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason] == ["length"]
 
 
+def test_streamed_logprobs_equal_non_streamed(client):
+    kwargs = dict(model=TINY_NAME, prompt="the lazy dog", logprobs=2, **GREEDY)
+    whole = client.completions.create(**kwargs).choices[0].logprobs
+    chunks = [ch.choices[0] for ch in client.completions.create(**kwargs, stream=True)]
+    assert [t for c in chunks for t in c.logprobs.tokens] == whole.tokens
+    assert [v for c in chunks for v in c.logprobs.token_logprobs] == whole.token_logprobs
+    assert [o for c in chunks for o in c.logprobs.text_offset] == whole.text_offset
+    messages = [{"role": "user", "content": "hi"}]
+    chat = dict(model=TINY_NAME, messages=messages, logprobs=True, top_logprobs=1, **GREEDY)
+    whole_chat = client.chat.completions.create(**chat).choices[0].logprobs.content
+    streamed = [t for ch in client.chat.completions.create(**chat, stream=True)
+                if ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in whole_chat]
+
+
+def test_stop_as_a_string_and_stop_in_streams(client):
+    full = client.completions.create(model=TINY_NAME, prompt="hello world", **GREEDY).choices[0].text
+    stop = full[3:5]
+    if not stop:
+        pytest.skip("the tiny model's greedy text is too short to hold a stop string")
+    kwargs = dict(model=TINY_NAME, prompt="hello world", stop=stop, **GREEDY)
+    assert client.completions.create(**kwargs).choices[0].text == full[: full.index(stop)]
+    streamed = [ch.choices[0] for ch in client.completions.create(**kwargs, stream=True)]
+    assert "".join(c.text for c in streamed) == full[: full.index(stop)]
+    assert streamed[-1].finish_reason == "stop"
+
+
 def test_chat_stream_shape(client, tiny_server):
     body = {"model": TINY_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
             "temperature": 0, "ignore_eos": True, "n": 2, "stream": True, "stream_options": {"include_usage": True}}

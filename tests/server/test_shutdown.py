@@ -16,7 +16,7 @@ from server.server_process import ServerProcess
 def test_signal_lets_the_stream_in_flight_finish_then_exits_0(tiny_model_dir, sig):
     server = ServerProcess("--model", str(tiny_model_dir), "--kv-cache-memory", "64MiB", "--shutdown-grace", "30")
     try:
-        body = {"prompt": "hello", "max_tokens": 300, "ignore_eos": True, "temperature": 0, "stream": True,
+        body = {"prompt": "hello", "max_tokens": 2000, "ignore_eos": True, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True}}
         events = []
         with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60) as r:
@@ -33,7 +33,7 @@ def test_signal_lets_the_stream_in_flight_finish_then_exits_0(tiny_model_dir, si
             events += [line[6:] for line in lines if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         usage = json.loads(events[-2])["usage"]
-        assert usage["completion_tokens"] == 300
+        assert usage["completion_tokens"] == 2000
         finishes = [c["finish_reason"] for e in events[:-2] for c in json.loads(e)["choices"] if c["finish_reason"]]
         assert finishes == ["length"]
         assert server.proc.wait(30) == 0
