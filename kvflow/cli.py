@@ -50,8 +50,9 @@ def _optional_commands():
         pass
     try:
         from kvflow.bench.cli import add_bench_parser
+        from kvflow.bench.latency_cli import add_latency_parser
 
-        registrations.append(add_bench_parser)
+        registrations.append(lambda sub: add_latency_parser(add_bench_parser(sub)))
     except ImportError:
         pass
     return registrations
@@ -129,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     start = time.monotonic()
     try:
-        return int(args.handler(args) or 0)
+        handler = getattr(args, "handler", None) or args.func
+        return int(handler(args) or 0)
     except KvflowError as exc:
         print(f"kvflow: error: {exc}", file=sys.stderr)
         return 2

@@ -208,7 +208,6 @@ class AsyncEngine:
                     return
                 if self.engine.has_unfinished_requests():
                     self._step()
-                self._update_stats()
             except Exception as exc:  # never let the loop die: fail what is in flight and carry on
                 log.exception("engine loop error; failing the requests in flight")
                 self.num_engine_errors += 1
@@ -216,6 +215,7 @@ class AsyncEngine:
 
     def _apply(self, inbox: list[_Add | str]) -> None:
         deliveries: list[tuple[RequestStream, asyncio.AbstractEventLoop, RequestOutput]] = []
+        admissions: list[tuple[_Add, BaseException | None]] = []
         for item in inbox:
             if isinstance(item, str):
                 out = self.engine.abort_request(item)
@@ -233,9 +233,12 @@ class AsyncEngine:
             except Exception as exc:  # a bug, not bad input: report it to this caller, keep serving others
                 log.exception("adding request %s failed", item.request_id)
                 error = EngineDeadError(f"the engine could not add the request: {exc}")
-            _call_soon(item.loop, _resolve, item.admitted, error)
+            admissions.append((item, error))
         with self._cond:
-            self._pending_adds -= sum(1 for item in inbox if not isinstance(item, str))
+            self._pending_adds -= len(admissions)
+        self._update_stats()  # before anyone hears back, so what they see next is current
+        for item, error in admissions:
+            _call_soon(item.loop, _resolve, item.admitted, error)
         self._deliver(deliveries)
 
     def _step(self) -> None:
@@ -255,15 +258,19 @@ class AsyncEngine:
                 del self._streams[out.request_id]
                 self._finished_preemptions += out.metrics.num_preemptions
             deliveries.append((entry[0], entry[1], out))
+        # Stats first: a client reacting to its output (e.g. reading /metrics) must see this step's state.
+        self._update_stats()
         self._deliver(deliveries)
 
     def _fail_all(self, error: BaseException) -> None:
         streams, self._streams = self._streams, {}
-        for request_id, (stream, loop) in streams.items():
+        for request_id in streams:
             try:
                 self.engine.abort_request(request_id)
             except Exception:
                 log.exception("abort of %s failed", request_id)
+        self._update_stats()
+        for stream, loop in streams.values():
             _call_soon(loop, stream._put, error)
 
     def _deliver(self, deliveries: list[tuple[RequestStream, asyncio.AbstractEventLoop, RequestOutput]]) -> None:

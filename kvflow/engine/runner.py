@@ -83,7 +83,7 @@ class ModelRunner:
     def prepare(self, scheduled) -> StepInputs:
         tokens: list[int] = []
         positions, slots, tables = [], [], []
-        query_lens, seq_lens, logits_indices, sample_ids = [], [], [], []
+        query_lens, seq_lens, logits_indices, sample_ids, first_blocks = [], [], [], [], []
         bs = self.block_size
         for seq in scheduled:
             req, start, n = seq.request, seq.start, seq.num_tokens
@@ -93,6 +93,8 @@ class ModelRunner:
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
             tables.append(table)
+            consecutive = len(table) > 0 and int(table[-1]) - int(table[0]) == len(table) - 1
+            first_blocks.append(int(table[0]) if consecutive and bool(np.all(np.diff(table) == 1)) else -1)
             query_lens.append(n)
             seq_lens.append(start + n)
             if seq.sample:
@@ -111,6 +113,7 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
             slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
             block_tables=torch.from_numpy(table_arr).to(dev),
+            contiguous_first_block=first_blocks,
         )
         return StepInputs(
             input_ids=torch.tensor(tokens, dtype=torch.long, device=dev),

@@ -16,12 +16,12 @@ from kvflow.layers.attention.backend import AttentionBackend, ReferenceBackend
 from kvflow.layers.attention.metadata import AttentionMetadata
 from kvflow.layers.linear import Linear
 from kvflow.layers.norm import RMSNorm
-from kvflow.layers.rotary import RotaryEmbedding
+from kvflow.layers.rotary import RotaryEmbedding, apply_rotary
 from kvflow.models.arch import ArchConfig
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ArchConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, arch: ArchConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size = self.num_heads * self.head_dim
@@ -31,12 +31,11 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, arch.hidden_size)
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
-        self.rotary = rotary
         self.backend: AttentionBackend = ReferenceBackend()
         self.k_cache: torch.Tensor | None = None  # bound by the model runner
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos_sin: tuple, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -44,7 +43,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, k, cos_sin)
         out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -60,15 +59,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, arch: ArchConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch, rotary)
+        self.self_attn = Attention(arch)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta)
+    def forward(self, x: torch.Tensor, cos_sin: tuple, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -85,12 +84,12 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: ArchConfig, max_positions: int | None = None) -> None:
         super().__init__()
         self.arch = arch
-        rotary = RotaryEmbedding(
+        self.rotary = RotaryEmbedding(
             arch.head_dim, max_positions or arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
         )
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(arch, rotary) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = Linear(arch.hidden_size, arch.vocab_size)
         if arch.tie_word_embeddings:
@@ -98,8 +97,9 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        cos_sin = self.rotary.cos_sin(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, meta)
+            x = layer(x, cos_sin, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,9 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     slot_mapping: torch.Tensor | None = None  # int64 [T], cache slot of each new token; None: no KV cache
     block_tables: torch.Tensor | None = None  # int32 [B, max_blocks], padded with 0
+    # Per sequence, the first block id when its blocks are consecutive in the pool (then its context is a
+    # plain slice of the cache, read without a gather), else -1. Host-side; optional.
+    contiguous_first_block: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -32,12 +32,23 @@ def _offset_causal_mask(lq: int, lk: int, device) -> torch.Tensor:
     return torch.arange(lk, device=device)[None, :] <= q_pos
 
 
+def _context(k_cache, v_cache, meta: AttentionMetadata, b: int, seq_len: int):
+    """Sequence b's first seq_len cached K/V: a slice when its blocks are consecutive, else a gather."""
+    first = meta.contiguous_first_block[b] if meta.contiguous_first_block else -1
+    if first >= 0:
+        n_blocks = (seq_len + k_cache.shape[1] - 1) // k_cache.shape[1]
+        return (k_cache[first : first + n_blocks].flatten(0, 1)[:seq_len],
+                v_cache[first : first + n_blocks].flatten(0, 1)[:seq_len])
+    table = meta.block_tables[b]
+    return reference.gather_kv(k_cache, table, seq_len), reference.gather_kv(v_cache, table, seq_len)
+
+
 class SDPABackend:
     name = "sdpa"
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if k_cache is not None:
-            reference.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if k_cache is not None and meta.is_decode_only and meta.num_seqs > 1:
             return self._batched_decode(q, k_cache, v_cache, meta, scale)
         out = torch.empty_like(q)
@@ -49,8 +60,7 @@ class SDPABackend:
             if k_cache is None or lq == lk:  # nothing cached before this chunk: attend to fresh k/v
                 out[start:end] = _sdpa(q[start:end], k[start:end], v[start:end], scale, causal=lq > 1)
             else:
-                kb = reference.gather_kv(k_cache, meta.block_tables[b], lk)
-                vb = reference.gather_kv(v_cache, meta.block_tables[b], lk)
+                kb, vb = _context(k_cache, v_cache, meta, b, lk)
                 mask = None if lq == 1 else _offset_causal_mask(lq, lk, q.device)
                 out[start:end] = _sdpa(q[start:end], kb, vb, scale, mask=mask)
             start = end

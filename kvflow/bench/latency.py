@@ -1,0 +1,169 @@
+"""``kvflow bench latency``: llama-bench's pp/tg figures measured through the engine, each against its roofline.
+
+- ppN at depth d: prefill N new tokens after d tokens already sit in the KV cache (held there by the
+  prefix cache), timed from the step that starts the chunk to the first token.
+- tgN at depth d and batch b: b sequences, each with d tokens of context, decode N tokens together;
+  tokens/s = b * (N - 1) / (time from the first to the last decode step).
+
+Rooflines: prefill cannot beat (matmul rate / FLOPs per token); decode cannot beat
+(bandwidth / bytes read per step) * batch, where a step reads every weight once plus each sequence's KV.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvflow.bench.probe import bandwidth_bytes_per_s, load_probe, matmul_flop_per_s, run_probe, save_probe
+from kvflow.bench.roofline import ModelShape
+from kvflow.config import engine_config
+from kvflow.llm import LLM
+from kvflow.loader.model_loader import load_model
+from kvflow.sampling_params import SamplingParams
+
+
+def weight_bytes_read_per_step(model: torch.nn.Module) -> int:
+    """Bytes of every weight a decode step reads: all parameters and packed buffers except the embedding
+    table, which is only indexed (when it is tied, the output projection reads it and it is counted)."""
+    embed = getattr(model, "embed_tokens", None)
+    skip = set() if embed is None else {id(t) for t in embed.parameters()} | {id(t) for t in embed.buffers()}
+    tied = getattr(model.arch, "tie_word_embeddings", False)
+    seen: set[int] = set()
+    total = 0
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers()):
+        if id(t) in seen or name.endswith(("cos", "sin")):
+            continue
+        seen.add(id(t))
+        if id(t) in skip and not tied:
+            continue
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _random_prompt(n: int, vocab: int, gen: torch.Generator) -> list[int]:
+    return torch.randint(10, vocab - 10, (n,), generator=gen).tolist()
+
+
+def measure_prefill(llm: LLM, n_prompt: int, depth: int, gen: torch.Generator) -> float:
+    """Seconds to prefill n_prompt new tokens on top of depth cached ones."""
+    engine = llm.engine
+    vocab = engine.loaded.arch.vocab_size
+    context = _random_prompt(depth, vocab, gen)
+    if depth:
+        llm.generate({"prompt_token_ids": context}, SamplingParams(max_tokens=1, temperature=0))
+    out = llm.generate({"prompt_token_ids": context + _random_prompt(n_prompt, vocab, gen)},
+                       SamplingParams(max_tokens=1, temperature=0))[0]
+    assert out.metrics.num_cached_tokens >= depth - engine.scheduler.block_size, "depth was not cached"
+    return out.metrics.prefill_time
+
+
+def measure_decode(llm: LLM, n_gen: int, depth: int, batch: int, gen: torch.Generator) -> float:
+    """Decode tokens/s for batch sequences decoding together, each with depth tokens (at least 1) of context.
+
+    Counted over the window where every sequence is decoding: from the last first-token to the first end."""
+    vocab = llm.engine.loaded.arch.vocab_size
+    params = SamplingParams(max_tokens=n_gen, temperature=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": _random_prompt(max(depth, 1), vocab, gen)} for _ in range(batch)]
+    outs = llm.generate(prompts, params)
+    start = max(o.metrics.token_times[0] for o in outs)
+    end = min(o.metrics.token_times[-1] for o in outs)
+    tokens = sum(sum(1 for t in o.metrics.token_times if start < t <= end) for o in outs)
+    if end <= start or tokens == 0:
+        raise RuntimeError("decode window is empty: raise n_gen or the token budget")
+    return tokens / (end - start)
+
+
+def run_latency(
+    model: str | None,
+    prompts: list[int],
+    n_gen: int,
+    depths: list[int],
+    batches: list[int],
+    reps: int = 3,
+    probe: dict | None = None,
+    **engine_options: Any,
+) -> dict:
+    longest = max(max(prompts, default=1), 1) + max(depths) + n_gen + 32
+    engine_options.setdefault("max_num_batched_tokens", max(max(prompts, default=0) + max(depths), 2048))
+    engine_options.setdefault("max_num_seqs", max(batches))
+    engine_options["max_model_len"] = max(longest, engine_options.get("max_model_len") or 0)
+    config = engine_config(model=model, **engine_options)
+    loaded = load_model(config.model)
+    shape = ModelShape.from_hf_config(loaded.arch.raw)
+    if config.cache.kv_cache_memory is None:  # room for the largest batch at the deepest context, twice over
+        elem = 4 if loaded.dtype == torch.float32 else 2
+        engine_options["kv_cache_memory"] = int(2 * max(batches) * longest * shape.kv_bytes_per_token(elem))
+    llm = LLM(loaded_model=loaded, **engine_options)
+    weight_bytes = weight_bytes_read_per_step(loaded.model)
+    kv_bytes = shape.kv_bytes_per_token(llm.engine.runner.kv_dtype.itemsize)
+    if probe is None:
+        probe = load_probe()
+    if probe is None:  # no saved probe yet: measure one (a few seconds) and keep it for next time
+        probe = run_probe()
+        save_probe(probe)
+    threads = torch.get_num_threads()
+    bandwidth = bandwidth_bytes_per_s(probe, threads=threads)
+    flops_rate = matmul_flop_per_s(probe, "bf16" if loaded.dtype != torch.float32 else "f32", threads=threads)
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    measure_prefill(llm, 32, 0, gen)  # warm-up: first-touch of weights and caches
+    for depth in depths:
+        for n in prompts:
+            times = [measure_prefill(llm, n, depth, gen) for _ in range(reps)]
+            tps = n / statistics.median(times)
+            roof = flops_rate / (shape.prefill_flops(n, depth, all_logits=False) / n)
+            results.append(_row(f"pp{n}", n, 0, depth, 1, tps, roof))
+        for batch in batches:
+            rates = [measure_decode(llm, n_gen, depth, batch, gen) for _ in range(reps)]
+            tps = statistics.median(rates)
+            per_step = weight_bytes + kv_bytes * batch * (depth + n_gen / 2)
+            results.append(_row(f"tg{n_gen}", 0, n_gen, depth, batch, tps, bandwidth / per_step * batch))
+    return {
+        "kind": "latency",
+        "model": loaded.resolved.name,
+        "dtype": str(loaded.dtype).split(".")[-1],
+        "threads": threads,
+        "weight_bytes_per_step": weight_bytes,
+        "kv_bytes_per_token": kv_bytes,
+        "bandwidth_bytes_per_s": bandwidth,
+        "matmul_flop_per_s": flops_rate,
+        "probe": probe,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "results": results,
+    }
+
+
+def _row(test: str, n_prompt: int, n_gen: int, depth: int, batch: int, tps: float, roof: float) -> dict:
+    return {
+        "test": test, "n_prompt": n_prompt, "n_gen": n_gen, "depth": depth, "batch": batch,
+        "tokens_per_s": tps, "roofline_tokens_per_s": roof, "fraction_of_roofline": tps / roof if roof else None,
+    }
+
+
+def markdown_table(report: dict) -> str:
+    lines = [
+        f"model {report['model']} ({report['dtype']}), {report['threads']} threads, "
+        f"{report['weight_bytes_per_step'] / 2**20:.0f} MiB of weights read per decode step",
+        "",
+        "| test | depth | batch | tokens/s | roofline tokens/s | % of roofline |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in report["results"]:
+        frac = r["fraction_of_roofline"]
+        lines.append(
+            f"| {r['test']} | {r['depth']} | {r['batch']} | {r['tokens_per_s']:,.1f} | "
+            f"{r['roofline_tokens_per_s']:,.0f} | {100 * frac:.0f}% |"
+        )
+    return "\n".join(lines)
+
+
+def save_report(report: dict, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+    return path

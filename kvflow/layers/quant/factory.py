@@ -1,0 +1,45 @@
+"""Pick the packed layer for a set of codes, and build one from GGUF tensors (fused and unpermuted)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from kvflow.layers.quant.base import QuantLinear
+from kvflow.layers.quant.int4_linear import Int4Linear
+from kvflow.layers.quant.int8_block_linear import Int8BlockLinear
+from kvflow.layers.quant.int8_linear import Int8Linear
+from kvflow.layers.quant.packing import BlockQuant, concat_rows, from_gguf, permute_rows
+
+
+def build_quant_linear(bq: BlockQuant, bias: torch.Tensor | None = None, exact_rows: bool = False) -> QuantLinear:
+    """4-bit -> Int4Linear; symmetric 8-bit per row -> Int8Linear; 8-bit per block (Q8_0) -> Int8BlockLinear.
+
+    exact_rows keeps float32 group scales so that `embedding()` matches the source exactly (tied embeddings)."""
+    n, k = bq.shape
+    if bq.bits == 4:
+        return Int4Linear(bq, bias, exact_rows=exact_rows)
+    if bq.group_size == k and torch.equal(bq.offset, -128.0 * bq.scale) and not exact_rows:
+        return Int8Linear(bq, bias)
+    return Int8BlockLinear(bq, bias, exact_rows=exact_rows)
+
+
+def gguf_linear(
+    parts: Sequence[tuple[np.ndarray, str]],
+    row_orders: Sequence[torch.Tensor | None] | None = None,
+    bias: torch.Tensor | None = None,
+    exact_rows: bool = False,
+) -> QuantLinear:
+    """One layer from GGUF tensors concatenated along the output dim (q/k/v, gate/up).
+
+    parts: (tensor.data [out, bytes], type name such as "Q4_1") per tensor, in fused order.
+    row_orders: per part, a row index to apply first (packing.unpermute_rope_index for llama q/k), or None.
+    """
+    codes = []
+    for i, (raw, qtype) in enumerate(parts):
+        bq = from_gguf(raw, qtype)
+        order = row_orders[i] if row_orders is not None else None
+        codes.append(bq if order is None else permute_rows(bq, order))
+    return build_quant_linear(concat_rows(codes) if len(codes) > 1 else codes[0], bias, exact_rows)
