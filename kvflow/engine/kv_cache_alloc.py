@@ -20,10 +20,10 @@ def bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> in
     return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * elem
 
 
-def default_kv_cache_memory(device: torch.device) -> int:
+def default_kv_cache_memory(device: torch.device, cuda_reserve: int = 0) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return int(free * CUDA_DEFAULT_SHARE)
+        return int(max(0, free - cuda_reserve) * CUDA_DEFAULT_SHARE)
     try:
         with open("/proc/meminfo") as f:
             info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}

@@ -24,6 +24,8 @@ from kvflow.loader.model_loader import DTYPES, LoadedModel
 
 log = logging.getLogger("kvflow")
 
+GRAPH_RESERVE = 1 << 30  # CUDA bytes kept out of the default KV budget for graph pools and workspaces
+
 
 @dataclass
 class StepInputs:
@@ -37,24 +39,32 @@ class StepInputs:
 def choose_backend(device: torch.device, name: str = "auto"):
     from kvflow.layers.attention.backend import ReferenceBackend
     from kvflow.layers.attention.sdpa import SDPABackend
+    from kvflow.layers.attention.triton_backend import TritonBackend, triton_available
 
-    backends = {"reference": ReferenceBackend, "sdpa": SDPABackend}
+    backends = {"reference": ReferenceBackend, "sdpa": SDPABackend, "triton": TritonBackend}
     if name == "auto":
-        name = "sdpa"
+        name = "triton" if device.type == "cuda" and triton_available() else "sdpa"
     if name not in backends:
         raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(backends)}")
     return backends[name]()
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, cache_config: CacheConfig, attention_backend: str = "auto") -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        cache_config: CacheConfig,
+        attention_backend: str = "auto",
+        max_num_seqs: int = 64,
+        cuda_graphs: bool = True,
+    ) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
         self.block_size = cache_config.block_size
         self.kv_dtype = loaded.dtype if cache_config.kv_cache_dtype == "auto" else DTYPES[cache_config.kv_cache_dtype]
         if cache_config.num_blocks is None:
-            memory = cache_config.kv_cache_memory or default_kv_cache_memory(self.device)
+            memory = cache_config.kv_cache_memory or default_kv_cache_memory(self.device, GRAPH_RESERVE)
             cache_config.num_blocks = num_blocks_for(memory, loaded.arch, self.block_size, self.kv_dtype)
         self.num_blocks = cache_config.num_blocks
         if self.num_blocks < 1:
@@ -63,6 +73,13 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(loaded.arch, self.num_blocks, self.block_size, self.kv_dtype, self.device)
         self.backend = choose_backend(self.device, attention_backend)
         self.bind_kv_cache()
+        self.graphs = None
+        if cuda_graphs and self.device.type == "cuda" and getattr(self.backend, "supports_cuda_graphs", False):
+            from kvflow.engine.cuda_graphs import CudaGraphRunner
+
+            max_blocks = -(-loaded.max_model_len // self.block_size)
+            self.graphs = CudaGraphRunner(self.model, self.backend, max_num_seqs, max_blocks, self.device)
+            self.graphs.capture()  # after the cache exists: graphs keep its addresses
         log.info(
             "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %s)",
             self.num_blocks, self.block_size, self.capacity_tokens,
@@ -141,7 +158,10 @@ class ModelRunner:
         if not scheduler_output.scheduled:
             return torch.empty(0, self.loaded.arch.vocab_size), []
         inputs = self.prepare(scheduler_output.scheduled)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        if self.graphs is not None and self.graphs.can_run(inputs.meta):
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         if not inputs.sample_request_ids:
             return torch.empty(0, self.loaded.arch.vocab_size), []
         logits = self.model.compute_logits(hidden[inputs.logits_indices])

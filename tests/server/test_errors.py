@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import ollama
 import openai
@@ -156,4 +158,8 @@ def test_full_waiting_queue_is_503_with_retry_after(guarded_server):
                 r = client.post("/v1/completions", json=GOOD)  # ...and a third would be over the limit
                 error = assert_error(r, 503, None, "server_overloaded", "1 requests are waiting")
                 assert r.headers["Retry-After"] == "1" and error["type"] == "server_error"
+        # Hanging up aborts both; once the server has noticed (it polls), new requests are welcome again.
+        deadline = time.monotonic() + 10
+        while guarded_server.metric("kvflow:num_requests_waiting") > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert client.post("/v1/completions", json=GOOD).status_code == 200

@@ -1,0 +1,209 @@
+"""kvflow against llama.cpp on the same GGUF file and thread count, in one run, written to RESULTS.md.
+
+1. the machine probe (bandwidth, matmul rate);
+2. pp512 and tg128 at batch 1: llama.cpp through llama-cpp-python (in its own virtualenv, installed by
+   benchmarks/setup_llamacpp.sh when missing) and kvflow through its engine (kvflow bench latency);
+3. llama.cpp's server (llama_cpp.server) against `kvflow serve` under the same `kvflow bench serve` load
+   (200-token prompts, 128 output tokens, EOS ignored) at concurrency 1 and 8.
+
+    python benchmarks/side_by_side.py [--threads 2] [--quantization gguf] [--num-prompts 16] [--record]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+LLAMACPP_VENV = Path(os.environ.get("LLAMACPP_VENV", HERE.parent / ".venv-llamacpp"))
+
+LLAMACPP_BENCH = r"""
+import json, sys, time
+from llama_cpp import Llama
+path, threads, n_prompt, n_gen, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+llm = Llama(model_path=path, n_ctx=4096, n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)
+prompt = [100 + (i * 7919) % 20000 for i in range(n_prompt)]
+def pp():
+    llm.reset(); t = time.perf_counter(); llm.eval(prompt); return n_prompt / (time.perf_counter() - t)
+def tg():
+    llm.reset(); llm.eval(prompt[:1]); t = time.perf_counter()
+    for i in range(n_gen):
+        llm.eval([200 + i])
+    return n_gen / (time.perf_counter() - t)
+pp(); tg()  # warm-up
+pps = sorted(pp() for _ in range(reps)); tgs = sorted(tg() for _ in range(reps))
+print(json.dumps({"pp": pps[len(pps) // 2], "tg": tgs[len(tgs) // 2]}))
+"""
+
+
+def default_gguf() -> Path:
+    from kvflow.loader.resolve import resolve_model
+
+    return resolve_model(None).path
+
+
+def ensure_llamacpp() -> Path:
+    python = LLAMACPP_VENV / "bin" / "python"
+    ok = python.exists() and subprocess.run([python, "-c", "import llama_cpp"], capture_output=True).returncode == 0
+    if not ok:
+        subprocess.run(["bash", str(HERE / "setup_llamacpp.sh")], check=True)
+    return python
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited early with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{url} not healthy after {timeout} s")
+
+
+def peak_rss_mib(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def run_load(base_url: str, label: str, concurrency: int, num_prompts: int, out_dir: Path) -> dict:
+    out = out_dir / f"serve_{label}_c{concurrency}.json"
+    subprocess.run(
+        [sys.executable, "-m", "kvflow", "bench", "serve", "--base-url", base_url, "--label", label,
+         "--concurrency", str(concurrency), "--num-prompts", str(num_prompts), "--input-len", "200",
+         "--output-len", "128", "--no-progress", "--out", str(out)],
+        check=True,
+    )
+    return json.loads(out.read_text())["summary"]
+
+
+def serve_both(args, gguf: Path, llamacpp_python: Path, out_dir: Path) -> dict:
+    results = {}
+    servers = {
+        "llama.cpp": lambda port: [
+            str(llamacpp_python), "-m", "llama_cpp.server", "--model", str(gguf), "--n_threads", str(args.threads),
+            "--n_threads_batch", str(args.threads), "--n_ctx", "16384", "--host", "127.0.0.1", "--port", str(port)],
+        "kvflow": lambda port: [
+            sys.executable, "-m", "kvflow", "serve", "--model", str(gguf), "--threads", str(args.threads),
+            "--host", "127.0.0.1", "--port", str(port), "--kv-cache-memory", "2GiB",
+            *(["--quantization", args.quantization] if args.quantization else [])],
+    }
+    health = {"llama.cpp": "/v1/models", "kvflow": "/health"}
+    for label, command in servers.items():
+        port = free_port()
+        proc = subprocess.Popen(command(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}{health[label]}", proc)
+            for conc in (1, 8):
+                prompts = args.num_prompts if conc == 1 else args.num_prompts * 2
+                results[(label, conc)] = run_load(f"http://127.0.0.1:{port}", label, conc, prompts, out_dir)
+            results[(label, "rss")] = peak_rss_mib(proc.pid)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quantization", default=None, help="kvflow --quantization (e.g. gguf)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--num-prompts", type=int, default=16, help="requests at concurrency 1 (twice that at 8)")
+    ap.add_argument("--skip-serve", action="store_true")
+    ap.add_argument("--record", action="store_true", help="append the tables to benchmarks/RESULTS.md")
+    args = ap.parse_args()
+
+    import torch
+
+    from kvflow.bench.latency import run_latency
+    from kvflow.bench.probe import run_probe, save_probe
+
+    torch.set_num_threads(args.threads)
+    gguf = default_gguf()
+    llamacpp_python = ensure_llamacpp()
+    out_dir = Path(tempfile.mkdtemp(prefix="kvflow-sbs-"))
+    probe = run_probe(threads=[args.threads])
+    save_probe(probe)
+    row = probe["results"][-1]
+
+    proc = subprocess.run([str(llamacpp_python), "-c", LLAMACPP_BENCH, str(gguf), str(args.threads), "512", "128",
+                           str(args.reps)], capture_output=True, text=True, check=True)
+    peer = json.loads(proc.stdout.strip().splitlines()[-1])
+    ours = run_latency(None, [512], 128, [0], [1], reps=args.reps, probe=probe, threads=args.threads,
+                       **({"quantization": args.quantization} if args.quantization else {}))
+    pp = next(r for r in ours["results"] if r["test"] == "pp512")
+    tg = next(r for r in ours["results"] if r["test"] == "tg128")
+
+    lines = [
+        f"## Side by side with llama.cpp ({time.strftime('%Y-%m-%d %H:%M')}, {args.threads} threads)",
+        "",
+        f"`python benchmarks/side_by_side.py --threads {args.threads}"
+        f"{' --quantization ' + args.quantization if args.quantization else ''}`, file {gguf.name}; "
+        f"kvflow {ours['dtype']} weights ({ours['weight_bytes_per_step'] / 2**20:.0f} MiB read per decode step).",
+        "",
+        f"Probe: copy {row['copy_dram_gb_s']:.1f} GB/s (1 GiB arrays), {row['copy_cache_gb_s']:.1f} GB/s "
+        f"(16 MiB), matmul {row['matmul_f32_tflop_s']:.2f} TFLOP/s f32, {row['matmul_bf16_tflop_s']:.2f} bf16.",
+        "",
+        "| test | llama.cpp (llama-cpp-python) | kvflow | kvflow / llama.cpp | kvflow % of roofline |",
+        "|---|---|---|---|---|",
+        f"| pp512 tok/s | {peer['pp']:.1f} | {pp['tokens_per_s']:.1f} | {pp['tokens_per_s'] / peer['pp']:.2f} | "
+        f"{100 * pp['fraction_of_roofline']:.0f}% |",
+        f"| tg128 tok/s | {peer['tg']:.1f} | {tg['tokens_per_s']:.1f} | {tg['tokens_per_s'] / peer['tg']:.2f} | "
+        f"{100 * tg['fraction_of_roofline']:.0f}% |",
+        "",
+    ]
+    if not args.skip_serve:
+        served = serve_both(args, gguf, llamacpp_python, out_dir)
+        lines += [
+            f"Serving: {args.num_prompts} (concurrency 1) and {2 * args.num_prompts} (concurrency 8) streaming "
+            "requests of 200 prompt tokens and 128 output tokens, EOS ignored, `kvflow bench serve`.",
+            "",
+            "| server | concurrency | output tok/s | TTFT mean ms | TTFT p99 ms | TPOT mean ms | peak RSS MiB |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for label in ("llama.cpp", "kvflow"):
+            for conc in (1, 8):
+                s = served[(label, conc)]
+                lines.append(
+                    f"| {label} | {conc} | {s['output_throughput']:.1f} | {s['ttft_ms']['mean']:.0f} | "
+                    f"{s['ttft_ms']['p99']:.0f} | {s['tpot_ms']['mean']:.1f} | {served[(label, 'rss')]:.0f} |"
+                )
+        for conc in (1, 8):
+            a, b = served[("llama.cpp", conc)], served[("kvflow", conc)]
+            lines.append(f"\nConcurrency {conc}: kvflow/llama.cpp output tok/s "
+                         f"{b['output_throughput'] / a['output_throughput']:.2f}, p99 TTFT ratio "
+                         f"{b['ttft_ms']['p99'] / a['ttft_ms']['p99']:.2f}.")
+        lines.append("")
+    text = "\n".join(lines)
+    print(text)
+    if args.record:
+        with (HERE / "RESULTS.md").open("a") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
