@@ -1,0 +1,48 @@
+"""`kvflow bench latency` on a tiny model: runs, writes well-formed JSON, and its roofline arithmetic holds."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from kvflow.bench.latency import weight_bytes_read_per_step
+from kvflow.bench.probe import save_probe
+
+PROBE = {
+    "kind": "probe", "device": "cpu", "quick": True, "machine": {},
+    "results": [{"threads": t, "copy_dram_gb_s": 10.0, "copy_cache_gb_s": 40.0,
+                 "matmul_f32_tflop_s": 0.25, "matmul_bf16_tflop_s": 1.5} for t in (1, 2)],
+}
+
+
+def test_latency_command_writes_json_with_rooflines(tmp_path, tiny_checkpoints):
+    probe_path = save_probe(PROBE, tmp_path / "probe.json")
+    out = tmp_path / "latency.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvflow", "bench", "latency", "--model", str(tiny_checkpoints["llama"]),
+         "-p", "16,32", "-n", "8", "-d", "0,32", "-b", "1,2", "-r", "1", "--threads", "1",
+         "--probe", str(probe_path), "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "| pp16 | 0 | 1 |" in proc.stdout and "| tg8 | 32 | 2 |" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["kind"] == "latency"
+    tests = {(r["test"], r["depth"], r["batch"]) for r in report["results"]}
+    assert tests == {("pp16", d, 1) for d in (0, 32)} | {("pp32", d, 1) for d in (0, 32)} | {
+        ("tg8", d, b) for d in (0, 32) for b in (1, 2)}
+    bandwidth = 10.0e9
+    assert report["bandwidth_bytes_per_s"] == bandwidth
+    for r in report["results"]:
+        assert r["tokens_per_s"] > 0
+        assert abs(r["fraction_of_roofline"] - r["tokens_per_s"] / r["roofline_tokens_per_s"]) < 1e-9
+        if r["n_gen"]:  # decode: bandwidth / bytes per step * batch, bytes = weights + KV read
+            per_step = report["weight_bytes_per_step"] + report["kv_bytes_per_token"] * r["batch"] * (
+                r["depth"] + r["n_gen"] / 2)
+            assert abs(r["roofline_tokens_per_s"] - bandwidth / per_step * r["batch"]) < 1e-6
+
+
+def test_weight_bytes_counts_each_read_weight_once(default_loaded):
+    # SmolLM2 in float32: 134.5 M parameters, the tied embedding read once as the output projection.
+    assert weight_bytes_read_per_step(default_loaded.model) == 134_515_008 * 4
