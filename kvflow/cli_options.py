@@ -38,7 +38,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--long-prefill-token-threshold", type=int, default=s.long_prefill_token_threshold)
     g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
     g.add_argument("--no-chunked-prefill", action="store_true")
-    g.add_argument("--quantization", default=None, choices=["int8", "int4"])
+    g.add_argument("--quantization", default=None, choices=["gguf", "int8", "int4"],
+                   help="CPU weight-only: gguf keeps a GGUF's Q4_0/Q4_1/Q8_0 packed; int8/int4 quantize floats")
     g.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     g.add_argument("--seed", type=int, default=m.seed)
     g.add_argument("--trace", default=None, metavar="FILE", help="append a JSON line per engine step")

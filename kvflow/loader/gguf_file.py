@@ -1,12 +1,14 @@
 """Read a GGUF file: its metadata as a Hugging Face style config, and its tensors under Hugging Face names.
 
-Quantized tensors are dequantized to float32 here; packed-integer execution is a later layer's job.
+Quantized tensors are dequantized to float32 here; `iter_gguf_raw` instead hands Q4_0/Q4_1/Q8_0 weights
+over as their block bytes, for the packed layers of `--quantization gguf` (loader/quantized_loading.py).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +22,7 @@ GGUF_ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
 }
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+PACKED_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # block formats kvflow.layers.quant runs without dequantizing
 
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
@@ -128,10 +131,10 @@ def unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)
 
 
-def iter_gguf_weights(reader, cfg: dict) -> Iterator[tuple[str, torch.Tensor]]:
-    permuted = cfg["model_type"] == "llama"
+def iter_gguf_weights(reader, cfg: dict, skip: Container[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, float tensor) for every tensor except those whose GGUF names are in skip."""
     for tensor in reader.tensors:
-        if tensor.name == "rope_freqs.weight":
+        if tensor.name == "rope_freqs.weight" or tensor.name in skip:
             continue
         name = _hf_name(tensor.name)
         if name is None:
@@ -140,11 +143,38 @@ def iter_gguf_weights(reader, cfg: dict) -> Iterator[tuple[str, torch.Tensor]]:
             data = torch.from_numpy(np.array(_dequantize(tensor), copy=True))
         except Exception as exc:
             raise ModelLoadError(f"cannot read GGUF tensor {tensor.name}: {exc}") from exc
-        if permuted and tensor.name.endswith(("attn_q.weight", "attn_q.bias")):
-            data = unpermute_rope(data, cfg["num_attention_heads"])
-        elif permuted and tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
-            data = unpermute_rope(data, cfg["num_key_value_heads"])
-        yield name, data
+        heads = _rope_heads(tensor.name, cfg)
+        yield name, data if heads is None else unpermute_rope(data, heads)
+
+
+@dataclass
+class RawTensor:
+    """A GGUF weight kept as block bytes: data is uint8 [out, bytes per row], a view of the mapped file."""
+
+    gguf_name: str
+    hf_name: str
+    data: np.ndarray
+    qtype: str  # one of PACKED_TYPES
+    rope_heads: int | None  # llama q/k: rows are permuted for llama.cpp's rope; undo with this many heads
+
+
+def iter_gguf_raw(reader, cfg: dict, types: Container[str] = PACKED_TYPES) -> Iterator[RawTensor]:
+    """The 2-D weights stored in one of `types`, undecoded (no float copy is made)."""
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name)
+        if name is None or tensor.tensor_type.name not in types or len(tensor.data.shape) != 2:
+            continue
+        yield RawTensor(tensor.name, name, tensor.data, tensor.tensor_type.name, _rope_heads(tensor.name, cfg))
+
+
+def _rope_heads(gguf_name: str, cfg: dict) -> int | None:
+    if cfg["model_type"] != "llama":
+        return None
+    if gguf_name.endswith(("attn_q.weight", "attn_q.bias")):
+        return cfg["num_attention_heads"]
+    if gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
+        return cfg["num_key_value_heads"]
+    return None
 
 
 def _hf_name(gguf_name: str) -> str | None:

@@ -12,7 +12,7 @@ import torch
 
 from kvflow.config import ModelConfig
 from kvflow.errors import ModelLoadError
-from kvflow.loader import gguf_file, hf_folder
+from kvflow.loader import gguf_file, hf_folder, quantized_loading
 from kvflow.loader.resolve import ResolvedModel, resolve_model
 from kvflow.loader.tokenizer import load_tokenizer
 from kvflow.models.arch import ArchConfig
@@ -81,9 +81,13 @@ def read_model_files(resolved: ResolvedModel):
     if resolved.kind == "gguf":
         reader = gguf_file.open_gguf(resolved.path)
         cfg = gguf_file.hf_config_from_gguf(reader, resolved.path)
-        return cfg, (lambda: gguf_file.iter_gguf_weights(reader, cfg)), (lambda: load_tokenizer(resolved, reader))
+        return (
+            cfg,
+            lambda skip=(): gguf_file.iter_gguf_weights(reader, cfg, skip),  # skip: GGUF names loaded packed
+            lambda: load_tokenizer(resolved, reader),
+        )
     cfg = hf_folder.read_config(resolved.path)
-    return cfg, (lambda: hf_folder.iter_weights(resolved.path)), (lambda: load_tokenizer(resolved))
+    return cfg, (lambda skip=(): hf_folder.iter_weights(resolved.path)), (lambda: load_tokenizer(resolved))
 
 
 def read_arch(resolved: ResolvedModel, cfg: dict) -> ArchConfig:
@@ -104,13 +108,18 @@ def load_model(config: ModelConfig) -> LoadedModel:
         hf_folder.weight_files(resolved.path)
     tokenizer = tokenizer_factory()
     device = pick_device(config.device)
+    quantized_loading.check_quantization(config.quantization, resolved.kind, device)
     dtype = pick_dtype(config.dtype, device, arch)
     max_len = config.max_model_len or arch.max_position_embeddings
     with _default_dtype(dtype), torch.device(device):
         model = cls(arch, max_positions=max_len)
     try:
         with torch.no_grad():
-            model.load_weights((name, t.to(device=device, dtype=dtype)) for name, t in weights())
+            packed = ()
+            if config.quantization == "gguf":  # packed layers first, so no float copy of them is ever read
+                packed = quantized_loading.pack_gguf(model, resolved.path, cfg, dtype)
+            model.load_weights((name, t.to(device=device, dtype=dtype)) for name, t in weights(packed))
+            quantized_loading.quantize_linears(model, config.quantization)
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"{resolved.path}: {exc}") from exc
     model.eval()

@@ -87,7 +87,11 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             arch.head_dim, max_positions or arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
         )
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        # No random init: the checkpoint overwrites the table, and pages never written cost no memory when
+        # --quantization gguf swaps it for a packed one.
+        self.embed_tokens = nn.Embedding(
+            arch.vocab_size, arch.hidden_size, _weight=torch.empty(arch.vocab_size, arch.hidden_size)
+        )
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)

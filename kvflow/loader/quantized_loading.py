@@ -1,0 +1,131 @@
+"""`--quantization`: weights that stay packed integers in memory, on CPU.
+
+gguf       a GGUF file's Q4_0 / Q4_1 / Q8_0 weights become packed layers straight from the file's bytes,
+           before any float tensor is read (`pack_gguf`); the rest (norms, K-quants, F16) loads as float.
+           A tied Q8_0 token embedding is ONE packed copy: lm_head multiplies by it and the embedding
+           looks rows up through it.
+int8/int4  float checkpoints: after the float load, every decoder Linear (and lm_head for int8) is
+           quantized in place (`quantize_linears`).
+
+The model around the packed layers stays float32 (norms, rotary, attention); a packed layer rounds its
+input to bfloat16 and returns float32.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kvflow.errors import ModelLoadError
+from kvflow.layers.linear import Linear
+from kvflow.layers.quant import (
+    QuantLinear,
+    build_quant_linear,
+    gguf_linear,
+    quantize_weight,
+    unpermute_rope_index,
+)
+from kvflow.loader import gguf_file
+
+SCHEMES = ("gguf", "int8", "int4")
+_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
+
+
+class PackedEmbedding(nn.Module):
+    """Token embedding whose rows are read from a packed layer (a tied embedding shares lm_head's bytes)."""
+
+    def __init__(self, source: QuantLinear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.source = source
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.source.embedding(ids).to(self.dtype)
+
+
+def check_quantization(quantization: str | None, model_kind: str, device: torch.device) -> None:
+    """Refuse what cannot run, before any weight is read."""
+    if quantization is None:
+        return
+    if quantization not in SCHEMES:
+        raise ModelLoadError(f"unknown quantization {quantization!r} (use {', '.join(SCHEMES)})")
+    if device.type != "cpu":
+        raise ModelLoadError(
+            f"--quantization {quantization} runs on CPU only (its packed kernels are CPU kernels), but the "
+            f"device is {device}; use --device cpu, or drop --quantization to run float weights on {device}"
+        )
+    if quantization == "gguf" and model_kind != "gguf":
+        raise ModelLoadError("--quantization gguf keeps a GGUF file's own packed weights; this model is not a "
+                             "GGUF file (use int8 or int4 to quantize a float checkpoint)")
+
+
+def pack_gguf(model: nn.Module, path: Path, cfg: dict, dtype: torch.dtype) -> set[str]:
+    """Swap every Linear (and the token embedding) whose GGUF weights are packed types for packed layers.
+
+    Returns the GGUF names consumed, for the float loader to skip. A fused layer (q/k/v, gate/up) is packed
+    only when all of its parts are packed types of one bit width; otherwise it loads as float."""
+    raws = {r.hf_name.removeprefix("model."): r for r in gguf_file.iter_gguf_raw(gguf_file.open_gguf(path), cfg)}
+    tied = model.arch.tie_word_embeddings
+    consumed: set[str] = set()
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, Linear):
+            continue
+        sources = ["embed_tokens.weight"] if name == "lm_head" and tied else _weight_sources(model, name)
+        parts = [raws.get(s) for s in sources]
+        if None in parts or len({_BITS[p.qtype] for p in parts}) != 1:
+            continue
+        layer = gguf_linear(
+            [(p.data, p.qtype) for p in parts],
+            row_orders=[None if p.rope_heads is None else unpermute_rope_index(p.data.shape[0], p.rope_heads)
+                        for p in parts],
+            bias=module.bias,  # uninitialised here; the float pass fills it (Qwen2's q/k/v bias)
+            exact_rows=name == "lm_head" and tied,  # the embedding reads these rows: keep them exact
+        )
+        model.set_submodule(name, layer)
+        consumed |= {p.gguf_name for p in parts}
+    embed = raws.get("embed_tokens.weight")
+    if tied and isinstance(model.lm_head, QuantLinear):
+        model.embed_tokens = PackedEmbedding(model.lm_head, dtype)
+    elif not tied and embed is not None:
+        model.embed_tokens = PackedEmbedding(gguf_linear([(embed.data, embed.qtype)], exact_rows=True), dtype)
+        consumed.add(embed.gguf_name)
+    return consumed
+
+
+def _weight_sources(model: nn.Module, module_name: str) -> list[str]:
+    """Checkpoint weight names (without "model.") that make up a module, in fused order."""
+    stem, _, leaf = module_name.rpartition(".")
+    parts = sorted((index, part) for fused, part, index in model.stacked_params if fused == leaf)
+    if not parts:
+        return [f"{module_name}.weight"]
+    return [f"{stem}.{part}.weight" for _, part in parts]
+
+
+def quantize_linears(model: nn.Module, scheme: str | None) -> None:
+    """int8 / int4: replace the decoder layers' float Linears (and lm_head for int8) by packed ones.
+
+    lm_head stays float under int4 (4-bit logits cost too much accuracy for a small share of the bytes).
+    A tied int8 lm_head also serves the embedding, so the float table is dropped."""
+    if scheme not in ("int8", "int4"):
+        return
+    for name, module in list(model.named_modules()):
+        if isinstance(module, Linear) and (name.startswith("layers.") or (name == "lm_head" and scheme == "int8")):
+            layer = build_quant_linear(quantize_weight(module.weight, scheme), bias=module.bias)
+            model.set_submodule(name, layer)
+    if scheme == "int8" and model.arch.tie_word_embeddings:
+        model.embed_tokens = PackedEmbedding(model.lm_head, model.embed_tokens.weight.dtype)
+
+
+def weight_nbytes(model: nn.Module) -> int:
+    """Bytes the model's weights occupy: packed layers by their own count, float parameters by size."""
+    seen: set[int] = set()
+    total = 0
+    for module in model.modules():
+        if isinstance(module, QuantLinear) and id(module) not in seen:
+            seen.add(id(module))
+            total += module.nbytes()
+    for p in model.parameters():  # deduplicated by PyTorch; includes packed layers' float bias
+        total += p.numel() * p.element_size()
+    return total
