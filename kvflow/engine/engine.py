@@ -58,7 +58,9 @@ class LLMEngine:
         return ids
 
     def tokenize(self, prompt: str) -> list[int]:
-        return self.tokenizer(prompt).input_ids
+        # A prompt rendered by a chat template often starts with BOS already: don't add a second one.
+        bos = self.tokenizer.bos_token
+        return self.tokenizer(prompt, add_special_tokens=not (bos and prompt.startswith(bos))).input_ids
 
     def next_request_id(self) -> str:
         self._counter += 1

@@ -77,17 +77,20 @@ def physical_cores() -> int:
 
 
 def read_model_files(resolved: ResolvedModel):
-    """(hf config dict, weight iterator factory, tokenizer factory): cheap checks first, heavy reads later."""
+    """(hf config dict, weight iterator factory, packed-weight iterator factory, tokenizer factory): cheap
+    checks first, heavy reads later. The weight factory skips the GGUF names it is given (loaded packed)."""
     if resolved.kind == "gguf":
         reader = gguf_file.open_gguf(resolved.path)
         cfg = gguf_file.hf_config_from_gguf(reader, resolved.path)
         return (
             cfg,
-            lambda skip=(): gguf_file.iter_gguf_weights(reader, cfg, skip),  # skip: GGUF names loaded packed
+            lambda skip=(): gguf_file.iter_gguf_weights(reader, cfg, skip),
+            lambda: gguf_file.iter_gguf_raw(reader, cfg),
             lambda: load_tokenizer(resolved, reader),
         )
     cfg = hf_folder.read_config(resolved.path)
-    return cfg, (lambda skip=(): hf_folder.iter_weights(resolved.path)), (lambda: load_tokenizer(resolved))
+    weights = lambda skip=(): hf_folder.iter_weights(resolved.path)  # noqa: E731
+    return cfg, weights, lambda: iter(()), lambda: load_tokenizer(resolved)
 
 
 def read_arch(resolved: ResolvedModel, cfg: dict) -> ArchConfig:
@@ -100,7 +103,7 @@ def read_arch(resolved: ResolvedModel, cfg: dict) -> ArchConfig:
 
 def load_model(config: ModelConfig) -> LoadedModel:
     resolved = resolve_model(config.model)
-    cfg, weights, tokenizer_factory = read_model_files(resolved)
+    cfg, weights, raw_weights, tokenizer_factory = read_model_files(resolved)
     check_architecture_name(cfg)  # refuse unsupported models before reading any field they may lack
     arch = read_arch(resolved, cfg)
     cls = model_class_for(arch)
@@ -117,7 +120,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
         with torch.no_grad():
             packed = ()
             if config.quantization == "gguf":  # packed layers first, so no float copy of them is ever read
-                packed = quantized_loading.pack_gguf(model, resolved.path, cfg, dtype)
+                packed = quantized_loading.pack_gguf(model, raw_weights(), dtype)
             model.load_weights((name, t.to(device=device, dtype=dtype)) for name, t in weights(packed))
             quantized_loading.quantize_linears(model, config.quantization)
     except (KeyError, ValueError) as exc:

@@ -13,7 +13,7 @@ input to bfloat16 and returns float32.
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -61,12 +61,12 @@ def check_quantization(quantization: str | None, model_kind: str, device: torch.
                              "GGUF file (use int8 or int4 to quantize a float checkpoint)")
 
 
-def pack_gguf(model: nn.Module, path: Path, cfg: dict, dtype: torch.dtype) -> set[str]:
+def pack_gguf(model: nn.Module, raw_tensors: Iterable[gguf_file.RawTensor], dtype: torch.dtype) -> set[str]:
     """Swap every Linear (and the token embedding) whose GGUF weights are packed types for packed layers.
 
     Returns the GGUF names consumed, for the float loader to skip. A fused layer (q/k/v, gate/up) is packed
     only when all of its parts are packed types of one bit width; otherwise it loads as float."""
-    raws = {r.hf_name.removeprefix("model."): r for r in gguf_file.iter_gguf_raw(gguf_file.open_gguf(path), cfg)}
+    raws = {r.hf_name.removeprefix("model."): r for r in raw_tensors}
     tied = model.arch.tie_word_embeddings
     consumed: set[str] = set()
     for name, module in list(model.named_modules()):

@@ -22,3 +22,4 @@ def test_trace_records_every_step_and_plots(tmp_path, tiny_checkpoints):
     assert all(0.0 <= r["kv_usage"] <= 1.0 and r["batch_size"] >= 1 for r in records)
     written = plot_results([trace], tmp_path / "plots")
     assert any(p.name.startswith("trace_") and p.stat().st_size > 0 for p in written)
+
