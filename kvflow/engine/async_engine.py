@@ -115,7 +115,6 @@ class AsyncEngine:
         self._pending_adds = 0
         self._stopping = False
         self._streams: dict[str, tuple[RequestStream, asyncio.AbstractEventLoop]] = {}  # engine thread only
-        self._finished_preemptions = 0
         self._ids = itertools.count(1)
         self._stats = EngineStats()
         self._thread: threading.Thread | None = None
@@ -221,7 +220,6 @@ class AsyncEngine:
                 out = self.engine.abort_request(item)
                 entry = self._streams.pop(item, None)
                 if entry is not None and out is not None:
-                    self._finished_preemptions += out.metrics.num_preemptions
                     deliveries.append((entry[0], entry[1], out))
                 continue
             error: BaseException | None = None
@@ -256,7 +254,6 @@ class AsyncEngine:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
-                self._finished_preemptions += out.metrics.num_preemptions
             deliveries.append((entry[0], entry[1], out))
         # Stats first: a client reacting to its output (e.g. reading /metrics) must see this step's state.
         self._update_stats()
@@ -294,10 +291,6 @@ class AsyncEngine:
     def _update_stats(self) -> None:
         scheduler = self.engine.scheduler
         kv = scheduler.kv_cache_manager
-        preemptions = getattr(scheduler, "num_preemptions", None)
-        if not isinstance(preemptions, int):
-            live = sum(r.num_preemptions for r in list(scheduler.requests.values()))
-            preemptions = self._finished_preemptions + live
         with self._cond:
             self._stats = EngineStats(
                 num_running=scheduler.num_running,
@@ -307,7 +300,7 @@ class AsyncEngine:
                 kv_cache_usage=kv.usage,
                 prefix_queried_tokens=kv.queried_tokens,
                 prefix_hit_tokens=kv.hit_tokens,
-                num_preemptions=preemptions,
+                num_preemptions=scheduler.num_preemptions,
                 num_steps=self.engine.num_steps,
             )
 

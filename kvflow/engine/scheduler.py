@@ -51,6 +51,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the last is the first to be preempted
         self._finished_ids: list[str] = []  # reported in the next SchedulerOutput
         self._pending_copies: list[tuple[int, int]] = []  # from forks, done before the next forward
+        self.num_preemptions = 0  # since start, for metrics
 
     # ---- queues -------------------------------------------------------------------------------------
     @property
@@ -261,6 +262,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def update_from_output(
