@@ -15,16 +15,26 @@ from kvflow.layers.attention.metadata import AttentionMetadata
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask=None, causal=False):
     """q [Lq, Hq, D], k/v [Lk, Hkv, D] -> [Lq, Hq, D]."""
+    hq, hkv = q.shape[1], k.shape[1]
+    if q.shape[0] == 1 and mask is None:
+        return _single_query(q, k, v, scale)
+    if hq != hkv:
+        # PyTorch's fused CPU kernel (flash attention) refuses enable_gqa and falls back to the slow math
+        # path; repeating the few KV heads costs far less.
+        k, v = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1)
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        k.transpose(0, 1),
-        v.transpose(0, 1),
-        attn_mask=mask,
-        is_causal=causal,
-        scale=scale,
-        enable_gqa=k.shape[1] != q.shape[1],
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, is_causal=causal, scale=scale
     )
     return out.transpose(0, 1)
+
+
+def _single_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One decode token: query heads grouped by KV head, two batched matmuls, K/V never copied."""
+    hkv, d = k.shape[1], k.shape[2]
+    qg = q.reshape(hkv, -1, d)  # [Hkv, G, D]
+    scores = torch.matmul(qg, k.permute(1, 2, 0)) * scale  # [Hkv, G, Lk]
+    out = torch.matmul(torch.softmax(scores.float(), dim=-1).to(v.dtype), v.transpose(0, 1))  # [Hkv, G, D]
+    return out.reshape(1, -1, d)
 
 
 def _offset_causal_mask(lq: int, lk: int, device) -> torch.Tensor:
@@ -67,20 +77,17 @@ class SDPABackend:
         return out
 
     def _batched_decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        # One query per sequence: gather each sequence's blocks into a padded [B, Hkv, L, D] batch.
-        bs = k_cache.shape[1]
+        # One query per sequence: gather each sequence's blocks into a padded [B, L, Hkv, D] batch, then
+        # grouped-query matmuls (query heads grouped under their KV head, so K/V are not repeated).
+        bs, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
         max_blocks = (meta.max_seq_len + bs - 1) // bs
         tables = meta.block_tables[:, :max_blocks].long()
         b = tables.shape[0]
-        kb = k_cache[tables].reshape(b, max_blocks * bs, *k_cache.shape[2:]).transpose(1, 2)
-        vb = v_cache[tables].reshape(b, max_blocks * bs, *v_cache.shape[2:]).transpose(1, 2)
+        kb = k_cache[tables].reshape(b, max_blocks * bs, hkv, d).permute(0, 2, 3, 1)  # [B, Hkv, D, L]
+        vb = v_cache[tables].reshape(b, max_blocks * bs, hkv, d).transpose(1, 2)  # [B, Hkv, L, D]
+        qg = q.reshape(b, hkv, -1, d)  # [B, Hkv, G, D]
+        scores = torch.matmul(qg, kb.to(q.dtype)).float() * scale  # [B, Hkv, G, L]
         valid = torch.arange(max_blocks * bs, device=q.device)[None, :] < meta.seq_lens[:, None]
-        out = F.scaled_dot_product_attention(
-            q[:, :, None, :],
-            kb,
-            vb,
-            attn_mask=valid[:, None, None, :],
-            scale=scale,
-            enable_gqa=kb.shape[1] != q.shape[1],
-        )
-        return out[:, :, 0, :]
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        out = torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), vb.to(q.dtype))  # [B, Hkv, G, D]
+        return out.reshape(b, -1, d)
