@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from gpu.paged_batch import make_paged_batch
+
 from kvflow.layers.attention.metadata import AttentionMetadata
 from kvflow.layers.attention.sdpa import SDPABackend
 
