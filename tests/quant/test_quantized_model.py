@@ -21,7 +21,7 @@ from kvflow.errors import ModelLoadError
 from kvflow.layers.attention.backend import ReferenceBackend
 from kvflow.layers.attention.metadata import AttentionMetadata
 from kvflow.layers.linear import Linear
-from kvflow.layers.quant import Int4Linear, Int8BlockLinear, Int8Linear, QuantLinear
+from kvflow.layers.quant import Int4Linear, Int8BlockLinear, Int8Linear, QuantLinear, quantize_weight
 from kvflow.loader.model_loader import load_model
 from kvflow.loader.quantized_loading import ExactTopLogits, PackedEmbedding, check_quantization, weight_nbytes
 from kvflow.sampling_params import SamplingParams
@@ -126,7 +126,8 @@ def test_greedy_invariant_to_batch_and_chunk_size(packed):
     """Bitwise-identical greedy tokens alone, batched with 7 others, and prefilled in chunks of 8 or 2048
     rows. Holds because every packed layer uses the packed kernel for any row count (quantized_loading)."""
     prompts = PROMPTS[:8]
-    alone = [greedy_tokens(make_llm(packed, enable_prefix_caching=False), [p])[0] for p in prompts]
+    llm = make_llm(packed, enable_prefix_caching=False)
+    alone = [greedy_tokens(llm, [p])[0] for p in prompts]
     batched = greedy_tokens(make_llm(packed, enable_prefix_caching=False), prompts)
     assert batched == alone
     for chunk in (8, 2048):
@@ -134,11 +135,24 @@ def test_greedy_invariant_to_batch_and_chunk_size(packed):
         assert greedy_tokens(llm, prompts[:3], GREEDY_32) == alone[:3], f"chunk {chunk}"
 
 
+def float_emulation(folder: str, scheme: str):
+    """The float model with the same quantized weights (dequantized): what the packed layers compute,
+    but for their bfloat16 activations."""
+    emu = load_model(ModelConfig(model=folder, dtype="float32", device="cpu"))
+    for name, module in emu.model.named_modules():
+        if isinstance(module, Linear) and (name.startswith("layers.") or (name == "lm_head" and scheme == "int8")):
+            module.weight.data = quantize_weight(module.weight, scheme).dequantize()  # a tied table follows
+    return emu
+
+
 @pytest.mark.parametrize(("arch", "scheme"), [("llama", "int8"), ("qwen2", "int8"), ("llama", "int4"),
                                               ("qwen2", "int4")])
 def test_int8_int4_on_a_float_checkpoint(tiny_checkpoints, arch, scheme):
-    """llama: untied head; qwen2: tied head and q/k/v bias. int8 is per-channel (error <= half a step of
-    |w|max/127), int4 per group of 32: logits stay within a few percent of the float model's."""
+    """llama: untied head; qwen2: tied head and q/k/v bias.
+
+    Against the float model with the same quantized weights, logits agree to ~1% (the bfloat16 activations);
+    the quantization itself moves them by 2.5% (int8) and 34% (int4) on these random-weight models: random
+    Gaussian weights in groups of 32 are int4's worst case (rms error ~9% of each weight)."""
     folder = str(tiny_checkpoints[arch])
     ref = load_model(ModelConfig(model=folder, dtype="float32", device="cpu"))
     quant = load_model(ModelConfig(model=folder, dtype="float32", device="cpu", quantization=scheme))
@@ -152,11 +166,16 @@ def test_int8_int4_on_a_float_checkpoint(tiny_checkpoints, arch, scheme):
         assert isinstance(model.lm_head, Linear)  # 4-bit logits would cost too much accuracy
     assert weight_nbytes(model) < 0.7 * weight_nbytes(ref.model)
     prompts = [list(range(3, 40)), list(range(100, 111))]
-    want, got = flat_logits(ref.model, prompts), flat_logits(model, prompts)
-    rel = ((got - want).norm() / want.norm()).item()
-    assert rel < (0.02 if scheme == "int8" else 0.08), rel
+    got = flat_logits(model, prompts)
+    same_weights = flat_logits(float_emulation(folder, scheme).model, prompts)
+    assert rel_err(got, same_weights) < 0.03
+    assert rel_err(got, flat_logits(ref.model, prompts)) < (0.06 if scheme == "int8" else 0.5)
     outs = make_llm(quant, kv_cache_memory=16 << 20).generate([{"prompt_token_ids": p} for p in prompts], GREEDY_32)
     assert all(len(o.outputs[0].token_ids) == 32 for o in outs)
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).norm() / want.norm()).item()
 
 
 def test_refused_where_it_cannot_run():

@@ -30,13 +30,15 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_server(tiny_model_dir):
-    server = ServerProcess("--model", str(tiny_model_dir), "--kv-cache-memory", "64MiB")
+    # float32 is kvflow's bit-stable mode: these tests compare texts across batch compositions, and the
+    # default CPU mode runs many-row matmuls in bf16 (AMX), whose rounding depends on the batch.
+    server = ServerProcess("--model", str(tiny_model_dir), "--kv-cache-memory", "64MiB", "--dtype", "float32")
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="session")
 def default_server():
-    server = ServerProcess("--kv-cache-memory", "256MiB")
+    server = ServerProcess("--kv-cache-memory", "256MiB", "--dtype", "float32")
     yield server
     server.stop()
