@@ -44,11 +44,13 @@ def test_int4_error_bound(group_size):
     assert (err <= 0.5 * step + 2**-8 * lo + 1e-7).all()
     layer = build_quant_linear(bq)
     assert isinstance(layer, Int4Linear)
-    x = torch.randn(3, w.shape[1])
+    x = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(group_size))
     ref = x @ bq.dequantize().t()
     assert ((layer(x) - ref).abs().max() / ref.abs().max()) < 1e-2
-    # Against the float weight, the whole int4 error: typical relative output error of a few percent.
-    assert ((layer(x) - x @ w.t()).norm() / (x @ w.t()).norm()) < 0.1
+    # Against the float weight, the whole int4 error. 16 levels over a group's range of about 5 sigma make
+    # a step of ~0.33 sigma, so the rounding error is ~0.33/sqrt(12) ~ 0.1 sigma per weight: a relative
+    # output error near 0.1 for 128-wide groups, less for narrower ones.
+    assert ((layer(x) - x @ w.t()).norm() / (x @ w.t()).norm()) < 0.15
 
 
 def test_bad_scheme_and_group():

@@ -36,7 +36,7 @@ class ReferenceBackend:
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):  # noqa: D102 - see AttentionBackend
         starts = meta.query_start_loc.tolist()
-        if k_cache is None:
+        if k_cache is None or meta.slot_mapping is None:  # no cache bound, or a one-shot forward
             out = torch.empty_like(q)
             for b in range(meta.num_seqs):
                 s, e = starts[b], starts[b + 1]

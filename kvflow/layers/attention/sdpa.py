@@ -57,6 +57,8 @@ class SDPABackend:
     name = "sdpa"
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if meta.slot_mapping is None:  # a one-shot forward (scoring, parity checks): leave the cache alone
+            k_cache = v_cache = None
         if k_cache is not None:
             reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if k_cache is not None and meta.is_decode_only and meta.num_seqs > 1:

@@ -42,7 +42,7 @@ class TritonBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        if k_cache is None:
+        if k_cache is None or meta.slot_mapping is None:  # no cache bound, or a one-shot forward
             return self._no_cache.forward(q, k, v, None, None, meta, scale)
         kernels = self._kernels
         kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
