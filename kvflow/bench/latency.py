@@ -33,8 +33,14 @@ def weight_bytes_read_per_step(model: torch.nn.Module) -> int:
     embed = getattr(model, "embed_tokens", None)
     skip = set() if embed is None else {id(t) for t in embed.parameters()} | {id(t) for t in embed.buffers()}
     tied = getattr(model.arch, "tie_word_embeddings", False)
+    from kvflow.layers.quant.base import QuantLinear
+
     seen: set[int] = set()
     total = 0
+    for module in model.modules():  # packed layers keep their bytes outside parameters and buffers
+        if isinstance(module, QuantLinear) and id(module) not in seen:
+            seen.add(id(module))
+            total += module.nbytes()
     for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers()):
         if id(t) in seen or name.endswith(("cos", "sin")):
             continue

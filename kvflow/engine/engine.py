@@ -20,7 +20,6 @@ from kvflow.engine.request_state import RequestGroup, SequenceState
 from kvflow.engine.runner import ModelRunner
 from kvflow.engine.scheduler import Scheduler
 from kvflow.engine.scheduler_output import ScheduledSequence, SchedulerOutput
-from kvflow.layers.linear import cpu_has_amx, enable_amx_prefill
 from kvflow.layers.sampler import Sampler, SamplingRow, make_generator
 from kvflow.loader.model_loader import LoadedModel, load_model, set_threads
 from kvflow.outputs import Logprob, RequestOutput
@@ -38,9 +37,6 @@ class LLMEngine:
         set_threads(config.model.threads)
         torch.manual_seed(config.model.seed)
         self.loaded = loaded or load_model(config.model)
-        if config.model.dtype == "auto" and self.loaded.device.type == "cpu" and cpu_has_amx():
-            added = enable_amx_prefill(self.loaded.model)
-            log.info("AMX prefill: bf16 copies of the weights for many-row matmuls (+%.0f MiB)", added / 2**20)
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = self.loaded.max_model_len
         config.scheduler.max_model_len = self.max_model_len

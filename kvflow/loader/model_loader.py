@@ -12,6 +12,7 @@ import torch
 
 from kvflow.config import ModelConfig
 from kvflow.errors import ModelLoadError
+from kvflow.layers.linear import cpu_has_amx, enable_amx_prefill
 from kvflow.loader import gguf_file, hf_folder, quantized_loading
 from kvflow.loader.resolve import ResolvedModel, resolve_model
 from kvflow.loader.tokenizer import load_tokenizer
@@ -126,6 +127,10 @@ def load_model(config: ModelConfig) -> LoadedModel:
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"{resolved.path}: {exc}") from exc
     model.eval()
+    if config.dtype == "auto" and device.type == "cpu" and cpu_has_amx():
+        # Fast mode: prefill chunks and big batches in bf16 on AMX. dtype="float32" stays bit-stable.
+        added = enable_amx_prefill(model)
+        log.info("AMX prefill: bf16 copies of the weights for many-row matmuls (+%.0f MiB)", added / 2**20)
     log.info("loaded %s (%s) on %s in %s", resolved.name, arch.architecture, device, str(dtype).split(".")[-1])
     return LoadedModel(model, tokenizer, arch, resolved, dtype, device, max_len)
 
