@@ -114,7 +114,9 @@ def run_latency(
         save_probe(probe)
     threads = torch.get_num_threads()
     bandwidth = bandwidth_bytes_per_s(probe, threads=threads)
-    flops_rate = matmul_flop_per_s(probe, "bf16" if loaded.dtype != torch.float32 else "f32", threads=threads)
+    amx = any(getattr(m, "weight_bf16", None) is not None for m in loaded.model.modules())
+    prefill_dtype = "bf16" if loaded.dtype != torch.float32 or amx else "f32"  # AMX prefill runs in bf16
+    flops_rate = matmul_flop_per_s(probe, prefill_dtype, threads=threads)
     gen = torch.Generator().manual_seed(0)
     results = []
     measure_prefill(llm, 32, 0, gen)  # warm-up: first-touch of weights and caches
