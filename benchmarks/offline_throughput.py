@@ -95,7 +95,7 @@ def main() -> None:
         "",
         "| engine | output tokens | seconds | output tokens/s |",
         "|---|---|---|---|",
-        f"| kvflow (float32, all prompts at once) | {k_tokens} | {k_time:.1f} | {k_rate:.1f} |",
+        f"| kvflow (dtype auto: float32 decode, bf16 AMX prefill; all prompts at once) | {k_tokens} | {k_time:.1f} | {k_rate:.1f} |",
         f"| transformers generate ({args.hf_dtype}, batches of {args.hf_batch_size}) | {h_tokens} | "
         f"{h_time:.1f} | {h_rate:.1f} |",
         "",

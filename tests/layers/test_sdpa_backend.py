@@ -11,7 +11,8 @@ from kvflow.layers.attention.sdpa import SDPABackend
 
 CASES = {
     "one decode": ([37], [1]),
-    "batched decodes": ([1, 16, 17, 40], [1, 1, 1, 1]),
+    "decodes of mixed lengths (one loop)": ([1, 16, 17, 40], [1, 1, 1, 1]),
+    "decodes of similar lengths (one padded batch)": ([20, 21, 22, 23], [1, 1, 1, 1]),
     "fresh prompt": ([33], [33]),
     "prefix hit + chunk, decode, fresh prompt": ([40, 21, 9], [7, 1, 9]),
 }

@@ -53,6 +53,16 @@ def _context(k_cache, v_cache, meta: AttentionMetadata, b: int, seq_len: int):
     return reference.gather_kv(k_cache, table, seq_len), reference.gather_kv(v_cache, table, seq_len)
 
 
+def _padding_is_cheap(meta: AttentionMetadata) -> bool:
+    """One padded batch beats a loop over sequences only while contexts are short and alike: the gather
+    copies every sequence's context up to the longest one, and that traffic grows with depth."""
+    padded = meta.num_seqs * meta.max_seq_len
+    return meta.max_seq_len <= PADDED_DECODE_MAX_LEN and padded <= 1.25 * sum(meta.seq_lens_cpu)
+
+
+PADDED_DECODE_MAX_LEN = 256
+
+
 class SDPABackend:
     name = "sdpa"
 
@@ -61,7 +71,7 @@ class SDPABackend:
             k_cache = v_cache = None
         if k_cache is not None:
             reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        if k_cache is not None and meta.is_decode_only and meta.num_seqs > 1:
+        if k_cache is not None and meta.is_decode_only and meta.num_seqs > 1 and _padding_is_cheap(meta):
             return self._batched_decode(q, k_cache, v_cache, meta, scale)
         out = torch.empty_like(q)
         start = 0
