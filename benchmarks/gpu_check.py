@@ -15,14 +15,13 @@ time-out loses only the measurement in flight. `--tiny` shrinks every shape for 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 
 from kvflow.bench import roofline  # noqa: E402
 from kvflow.layers.attention.metadata import AttentionMetadata  # noqa: E402
+from kvflow.loader.model_loader import default_dtype  # noqa: E402
 
 BLOCK_SIZE = 16
 TG_TOKENS = 128
@@ -120,14 +120,6 @@ def share_of_time(deadline: float, models_left: int) -> float:
     return now + max(0.0, deadline - now) / models_left
 
 
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
 
 
 # ---- kvflow ----------------------------------------------------------------------------------------------

@@ -115,7 +115,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     quantized_loading.check_quantization(config.quantization, resolved.kind, device)
     dtype = pick_dtype(config.dtype, device, arch)
     max_len = config.max_model_len or arch.max_position_embeddings
-    with _default_dtype(dtype), torch.device(device):
+    with default_dtype(dtype), torch.device(device):
         model = cls(arch, max_positions=max_len)
     try:
         with torch.no_grad():
@@ -136,10 +136,10 @@ def load_model(config: ModelConfig) -> LoadedModel:
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
+def default_dtype(dtype: torch.dtype):
+    old = torch.getdefault_dtype()
+    torch.setdefault_dtype(dtype)
     try:
         yield
     finally:
-        torch.set_default_dtype(old)
+        torch.setdefault_dtype(old)
