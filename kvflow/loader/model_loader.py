@@ -137,9 +137,9 @@ def load_model(config: ModelConfig) -> LoadedModel:
 
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype):
-    old = torch.getdefault_dtype()
-    torch.setdefault_dtype(dtype)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
     try:
         yield
     finally:
-        torch.setdefault_dtype(old)
+        torch.set_default_dtype(old)
