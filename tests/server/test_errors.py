@@ -122,8 +122,11 @@ def test_unknown_route_is_404_in_openai_shape(tiny_server):
 @pytest.fixture(scope="module")
 def guarded_server(tiny_model_dir):
     """An API key, one running request at a time and at most one waiting."""
+    # A long context, so the "long" request below outlasts the test even when the tiny model decodes at
+    # thousands of tokens per second on a quiet machine.
     server = KeyedServerProcess("sekret", "--model", str(tiny_model_dir), "--kv-cache-memory", "64MiB",
-                                "--max-num-seqs", "1", "--max-waiting", "1", "--served-model-name", "house-model")
+                                "--max-num-seqs", "1", "--max-waiting", "1", "--served-model-name", "house-model",
+                                "--max-model-len", "65536")
     yield server
     server.stop()
 
@@ -149,7 +152,7 @@ def test_api_key_is_required_except_for_health(guarded_server):
 
 def test_full_waiting_queue_is_503_with_retry_after(guarded_server):
     url, headers = guarded_server.base_url, guarded_server.auth_headers()
-    long = {"prompt": "hello", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    long = {"prompt": "hello", "max_tokens": 60000, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=url, headers=headers, timeout=60) as client:
         with client.stream("POST", "/v1/completions", json=long) as running:
             next(running.iter_lines())  # the first is running...
