@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import httpx
@@ -150,12 +151,24 @@ def test_api_key_is_required_except_for_health(guarded_server):
     assert guarded_server.metric("kvflow:request_errors_total", 'kind="unauthorized"') >= 3
 
 
+def _drain(lines) -> None:
+    try:
+        for _ in lines:
+            pass
+    except (httpx.HTTPError, RuntimeError):  # closed under us when the test leaves the stream
+        pass
+
+
 def test_full_waiting_queue_is_503_with_retry_after(guarded_server):
     url, headers = guarded_server.base_url, guarded_server.auth_headers()
     long = {"prompt": "hello", "max_tokens": 60000, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=url, headers=headers, timeout=60) as client:
         with client.stream("POST", "/v1/completions", json=long) as running:
-            next(running.iter_lines())  # the first is running...
+            lines = running.iter_lines()
+            next(lines)  # the first is running...
+            # ...and keeps being read, so the server never stalls on a full socket buffer meanwhile.
+            drain = threading.Thread(target=_drain, args=(lines,), daemon=True)
+            drain.start()
             with client.stream("POST", "/v1/completions", json=long) as waiting:
                 assert waiting.status_code == 200  # ...the second is admitted and waits...
                 r = client.post("/v1/completions", json=GOOD)  # ...and a third would be over the limit
