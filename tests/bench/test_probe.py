@@ -60,6 +60,7 @@ def test_save_and_load_round_trip(tmp_path, monkeypatch):
         probe.bandwidth_bytes_per_s(data, threads=4)
 
 
+# Runs on the GPU machine (benchmarks/gpu_check.sh); CPU-only CI has nothing to measure here.
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_quick_probe_on_cuda():
     result = probe.run_probe(device="cuda", quick=True)

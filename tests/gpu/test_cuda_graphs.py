@@ -68,6 +68,7 @@ def test_backend_without_graph_support_is_refused():
 
 
 # Needs a GPU: CUDA graphs exist only on CUDA devices.
+# Graph capture exists only on CUDA; the padded static batch is checked on CPU above.
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_graph_replay_matches_eager_for_successive_batches(dtype):
@@ -97,6 +98,7 @@ def test_graph_replay_matches_eager_for_successive_batches(dtype):
         torch.testing.assert_close(ours, ref)
 
 
+# Graph capture exists only on CUDA; the padded static batch is checked on CPU above.
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_prefill_batches_are_not_for_graphs():
     model = tiny_model(tiny_arch(), TritonBackend(), torch.bfloat16, DEVICE)
