@@ -105,10 +105,12 @@ class _ChoiceCursor:
 
 
 async def _follow(
-    request: Request, body: SamplingFields, streams: Sequence[RequestStream], head: dict, n: int
-) -> AsyncIterator[tuple[int, CompletionOutput] | str]:
-    """Yields (choice index, completion) for every choice that changed, then the closing SSE events
-    (the usage chunk when asked for, and [DONE]); an engine failure ends the stream with an error event."""
+    request: Request, body: SamplingFields, streams: Sequence[RequestStream], head: dict, n: int,
+    cursors: dict[int, _ChoiceCursor], with_logprobs: bool,
+) -> AsyncIterator[tuple[int, CompletionOutput, list, list, _ChoiceCursor] | str]:
+    """Yields (choice index, completion, new token ids, their logprob entries, cursor) for every choice
+    with something to send, then the closing SSE events (the usage chunk when asked for, and [DONE]);
+    an engine failure ends the stream with an error event."""
     finals: list[RequestOutput | None] = [None] * len(streams)
     async with abort_on_disconnect(request, streams):
         try:
@@ -116,8 +118,16 @@ async def _follow(
                 if out.finished:
                     finals[i] = out
                 for c in out.outputs:
-                    if c.delta_text or c.delta_token_ids or c.finish_reason is not None:
-                        yield i * n + c.index, c
+                    if not (c.delta_text or c.delta_token_ids or c.finish_reason is not None):
+                        continue
+                    index = i * n + c.index
+                    cursor = cursors.setdefault(index, _ChoiceCursor())
+                    if cursor.done:
+                        continue
+                    ids, entries = cursor.advance(c)
+                    if not c.delta_text and c.finish_reason is None and not with_logprobs:
+                        continue  # tokens whose text is held back (a possible stop string, a partial character)
+                    yield index, c, ids, entries, cursor
         except EngineDeadError as exc:
             yield sse(APIError(500, str(exc), None, "engine_error").openai_body())
             yield sse("[DONE]")
@@ -138,17 +148,11 @@ async def _completion_events(
             cursors[i * n + j] = _ChoiceCursor(len(text))
             choice = {"index": i * n + j, "text": text, "logprobs": None, "finish_reason": None}
             yield sse({**head, "choices": [choice], **tail})
-    async for item in _follow(request, body, streams, head, n):
+    async for item in _follow(request, body, streams, head, n, cursors, k is not None):
         if isinstance(item, str):
             yield item
             continue
-        index, c = item
-        cursor = cursors.setdefault(index, _ChoiceCursor())
-        if cursor.done:
-            continue
-        ids, entries = cursor.advance(c)
-        if not c.delta_text and c.finish_reason is None and k is None:
-            continue  # tokens whose text is held back (a possible stop string, a partial character)
+        index, c, ids, entries, cursor = item
         lp = None
         if k is not None:
             lp = completion_logprobs(ids, entries, k, cursor.text)
@@ -166,18 +170,11 @@ async def _chat_events(
         choice = {"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None}
         yield sse({**head, "choices": [choice], **tail})
-    cursors: dict[int, _ChoiceCursor] = {}
-    async for item in _follow(request, body, streams, head, body.n):
+    async for item in _follow(request, body, streams, head, body.n, {}, bool(body.logprobs)):
         if isinstance(item, str):
             yield item
             continue
-        index, c = item
-        cursor = cursors.setdefault(index, _ChoiceCursor())
-        if cursor.done:
-            continue
-        ids, entries = cursor.advance(c)
-        if not c.delta_text and c.finish_reason is None and not body.logprobs:
-            continue  # tokens whose text is held back (a possible stop string, a partial character)
+        index, c, ids, entries, _ = item
         delta = {"content": c.delta_text} if c.delta_text else {}
         lp = chat_logprobs(ids, entries, k) if body.logprobs else None
         choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason}

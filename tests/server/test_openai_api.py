@@ -146,14 +146,17 @@ def test_streamed_logprobs_equal_non_streamed(client):
     whole = client.completions.create(**kwargs).choices[0].logprobs
     chunks = [ch.choices[0] for ch in client.completions.create(**kwargs, stream=True)]
     assert [t for c in chunks for t in c.logprobs.tokens] == whole.tokens
-    assert [v for c in chunks for v in c.logprobs.token_logprobs] == whole.token_logprobs
+    # The second run of a prompt reads its prefix from the prefix cache, a different (equally exact)
+    # float32 summation order: values agree to rounding, tokens exactly.
+    assert [v for c in chunks for v in c.logprobs.token_logprobs] == pytest.approx(whole.token_logprobs, abs=1e-5)
     assert [o for c in chunks for o in c.logprobs.text_offset] == whole.text_offset
     messages = [{"role": "user", "content": "hi"}]
     chat = dict(model=TINY_NAME, messages=messages, logprobs=True, top_logprobs=1, **GREEDY)
     whole_chat = client.chat.completions.create(**chat).choices[0].logprobs.content
     streamed = [t for ch in client.chat.completions.create(**chat, stream=True)
                 if ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
-    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in whole_chat]
+    assert [t.token for t in streamed] == [t.token for t in whole_chat]
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in whole_chat], abs=1e-5)
 
 
 def test_stop_as_a_string_and_stop_in_streams(client):
