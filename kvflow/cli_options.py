@@ -38,8 +38,12 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--long-prefill-token-threshold", type=int, default=s.long_prefill_token_threshold)
     g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
     g.add_argument("--no-chunked-prefill", action="store_true")
-    g.add_argument("--quantization", default=None, choices=["gguf", "int8", "int4"],
-                   help="CPU weight-only: gguf keeps a GGUF's Q4_0/Q4_1/Q8_0 packed; int8/int4 quantize floats")
+    g.add_argument("--quantization", default=None, choices=["none", "gguf", "int8", "int4"],
+                   help="CPU weight-only: gguf keeps a GGUF's Q4_0/Q4_1/Q8_0 packed (the default for GGUF files "
+                        "with --dtype auto on CPU); none: float weights; int8/int4 quantize a float checkpoint")
+    g.add_argument("--compile", default=m.compile, choices=["auto", "on", "off"],
+                   help="torch.compile the model (auto: on CPU with --dtype auto; first start about a minute, "
+                        "then cached)")
     g.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     g.add_argument("--seed", type=int, default=m.seed)
     g.add_argument("--trace", default=None, metavar="FILE", help="append a JSON line per engine step")
@@ -52,5 +56,5 @@ def engine_options(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         enable_prefix_caching=not args.no_prefix_caching, enable_chunked_prefill=not args.no_chunked_prefill,
-        quantization=args.quantization, threads=args.threads, seed=args.seed, trace_file=args.trace,
+        quantization=args.quantization, compile=args.compile, threads=args.threads, seed=args.seed, trace_file=args.trace,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 
@@ -13,8 +14,13 @@ class ModelConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
     max_model_len: int | None = None  # None: the model's own context length
-    quantization: str | None = None  # None | int8 | int4 (weight-only, float checkpoints)
+    # None: automatic (a GGUF file's Q4_0/Q4_1/Q8_0 weights stay packed in the default fast mode on CPU);
+    # "none": float weights; "gguf": packed GGUF weights; "int8" | "int4": quantize a float checkpoint.
+    quantization: str | None = None
     threads: int | None = None  # CPU threads; None: the physical cores
+    # auto | on | off: torch.compile the model (auto: on CPU in the default fast mode). The environment
+    # variable KVFLOW_COMPILE sets the default (the test suite runs eager unless a test asks).
+    compile: str = field(default_factory=lambda: os.environ.get("KVFLOW_COMPILE", "auto"))
     seed: int = 0
 
 

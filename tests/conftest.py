@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
 import torch
 from tiny_models import TINY_ARCHS, make_tiny_checkpoint
+
+# Tests build many engines, servers and CLI runs; compiling each would take minutes. The compiled path has
+# its own tests, which ask for it explicitly. Subprocesses (servers, the CLI) inherit this.
+os.environ.setdefault("KVFLOW_COMPILE", "off")
 
 
 def default_gguf_path() -> Path:
@@ -28,6 +33,15 @@ def default_loaded():
     from kvflow.loader.model_loader import load_model
 
     return load_model(ModelConfig(dtype="float32", device="cpu", max_model_len=4096))
+
+
+@pytest.fixture(scope="session")
+def packed_loaded():
+    """The default model with its Q4_1/Q8_0 weights kept packed (quantization="gguf"), float32 around them."""
+    from kvflow.config import ModelConfig
+    from kvflow.loader.model_loader import load_model
+
+    return load_model(ModelConfig(dtype="float32", device="cpu", max_model_len=4096, quantization="gguf"))
 
 
 @pytest.fixture(scope="session")

@@ -42,7 +42,7 @@ def weight_bytes_read_per_step(model: torch.nn.Module) -> int:
             seen.add(id(module))
             total += module.nbytes()
     for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers()):
-        if id(t) in seen or name.endswith(("cos", "sin")):
+        if id(t) in seen or name.endswith(("cos", "sin", "layer_id")):  # tables and indices, not weights
             continue
         seen.add(id(t))
         if id(t) in skip and not tied:

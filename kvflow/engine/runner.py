@@ -62,7 +62,10 @@ class ModelRunner:
         self.model = loaded.model
         self.device = loaded.device
         self.block_size = cache_config.block_size
-        self.kv_dtype = loaded.dtype if cache_config.kv_cache_dtype == "auto" else DTYPES[cache_config.kv_cache_dtype]
+        if cache_config.kv_cache_dtype == "auto":
+            self.kv_dtype = loaded.kv_cache_dtype or loaded.dtype
+        else:
+            self.kv_dtype = DTYPES[cache_config.kv_cache_dtype]
         if cache_config.num_blocks is None:
             memory = cache_config.kv_cache_memory or default_kv_cache_memory(self.device, GRAPH_RESERVE)
             cache_config.num_blocks = num_blocks_for(memory, loaded.arch, self.block_size, self.kv_dtype)

@@ -39,10 +39,16 @@ def enable_amx_prefill(model: nn.Module) -> int:
 
     Decode steps (few rows) keep reading float32; prefill chunks and large batches run on AMX. The cost is
     numerical: a token's result then depends on how many rows its step had, so float32 mode (bit-stable
-    across batches) leaves this off."""
+    across batches) leaves this off. Packed layers (QuantLinear) likewise get a dense bf16 copy and
+    switch to it above AMX_MIN_ROWS; their packed kernel keeps serving decode. The output projection is
+    left alone: it only ever sees the rows being sampled."""
     added = 0
-    for module in model.modules():
+    for name, module in model.named_modules():
         if isinstance(module, Linear) and module.weight.dtype == torch.float32:
             module.weight_bf16 = module.weight.detach().to(torch.bfloat16)
             added += module.weight_bf16.numel() * 2
+        elif hasattr(module, "cache_dense_bf16") and not name.startswith("lm_head"):
+            module.cache_dense_bf16()
+            module.max_kernel_rows = AMX_MIN_ROWS
+            added += module.dense_bf16.numel() * 2
     return added

@@ -16,6 +16,7 @@ from kvflow.layers.linear import cpu_has_amx, enable_amx_prefill
 from kvflow.loader import gguf_file, hf_folder, quantized_loading
 from kvflow.loader.resolve import ResolvedModel, resolve_model
 from kvflow.loader.tokenizer import load_tokenizer
+from kvflow.models import compiled
 from kvflow.models.arch import ArchConfig
 from kvflow.models.registry import check_architecture_name, model_class_for
 
@@ -33,6 +34,8 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     max_model_len: int
+    quantization: str | None = None  # the scheme in effect (after "automatic" was resolved)
+    kv_cache_dtype: torch.dtype | None = None  # what kv_cache_dtype="auto" means for this load
 
 
 def pick_device(name: str) -> torch.device:
@@ -112,7 +115,9 @@ def load_model(config: ModelConfig) -> LoadedModel:
         hf_folder.weight_files(resolved.path)
     tokenizer = tokenizer_factory()
     device = pick_device(config.device)
-    quantized_loading.check_quantization(config.quantization, resolved.kind, device)
+    fast_cpu = config.dtype == "auto" and device.type == "cpu"
+    quantization = quantized_loading.pick_quantization(config.quantization, resolved.kind, fast_cpu)
+    quantized_loading.check_quantization(quantization, resolved.kind, device)
     dtype = pick_dtype(config.dtype, device, arch)
     max_len = config.max_model_len or arch.max_position_embeddings
     with default_dtype(dtype), torch.device(device):
@@ -120,19 +125,25 @@ def load_model(config: ModelConfig) -> LoadedModel:
     try:
         with torch.no_grad():
             packed = ()
-            if config.quantization == "gguf":  # packed layers first, so no float copy of them is ever read
+            if quantization == "gguf":  # packed layers first, so no float copy of them is ever read
                 packed = quantized_loading.pack_gguf(model, raw_weights(), dtype)
             model.load_weights((name, t.to(device=device, dtype=dtype)) for name, t in weights(packed))
-            quantized_loading.quantize_linears(model, config.quantization)
+            quantized_loading.quantize_linears(model, quantization)
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"{resolved.path}: {exc}") from exc
     model.eval()
-    if config.dtype == "auto" and device.type == "cpu" and cpu_has_amx():
+    if fast_cpu and cpu_has_amx():
         # Fast mode: prefill chunks and big batches in bf16 on AMX. dtype="float32" stays bit-stable.
         added = enable_amx_prefill(model)
         log.info("AMX prefill: bf16 copies of the weights for many-row matmuls (+%.0f MiB)", added / 2**20)
     log.info("loaded %s (%s) on %s in %s", resolved.name, arch.architecture, device, str(dtype).split(".")[-1])
-    return LoadedModel(model, tokenizer, arch, resolved, dtype, device, max_len)
+    if compiled.should_compile(config.compile, device, config.dtype):
+        compiled.compile_model(model)
+        compiled.warm_up(model, device)
+    # The fast mode's cache holds K/V in float16 (llama.cpp's default too): half the bytes a decode step
+    # reads at depth; float16 keeps 3 more mantissa bits than bfloat16, and K/V values sit well in range.
+    kv_dtype = torch.float16 if fast_cpu else dtype
+    return LoadedModel(model, tokenizer, arch, resolved, dtype, device, max_len, quantization, kv_dtype)
 
 
 @contextlib.contextmanager

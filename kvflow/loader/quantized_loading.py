@@ -74,6 +74,16 @@ class ExactTopLogits(nn.Module):
         return logits.scatter(-1, top, exact.to(logits.dtype))
 
 
+def pick_quantization(option: str | None, model_kind: str, fast_cpu: bool) -> str | None:
+    """The scheme to load with. Unset means automatic: a GGUF file in the default fast mode on CPU keeps
+    its packed weights (a quarter of float32's bytes per decode step); anything else loads as float."""
+    if option == "none":
+        return None
+    if option is None:
+        return "gguf" if fast_cpu and model_kind == "gguf" else None
+    return option
+
+
 def check_quantization(quantization: str | None, model_kind: str, device: torch.device) -> None:
     """Refuse what cannot run, before any weight is read."""
     if quantization is None:

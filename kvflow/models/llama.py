@@ -6,13 +6,14 @@ AttentionMetadata; it returns hidden states, and compute_logits() projects only 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
 from kvflow.layers.activation import silu_and_mul
 from kvflow.layers.attention.backend import AttentionBackend, ReferenceBackend
+from kvflow.layers.attention.forward_context import forward_context, run_attention
 from kvflow.layers.attention.metadata import AttentionMetadata
 from kvflow.layers.linear import Linear
 from kvflow.layers.norm import RMSNorm
@@ -21,8 +22,10 @@ from kvflow.models.arch import ArchConfig
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ArchConfig) -> None:
+    def __init__(self, arch: ArchConfig, layer_index: int) -> None:
         super().__init__()
+        self.layer_index = layer_index
+        self.register_buffer("layer_id", torch.tensor(layer_index), persistent=False)
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -35,7 +38,7 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None  # bound by the model runner
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, cos_sin: tuple, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos_sin: tuple) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -44,7 +47,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, cos_sin)
-        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        if torch.compiler.is_compiling():  # opaque to the compiler: see forward_context
+            out = torch.ops.kvflow.attention(q, k, v, self.layer_id)
+        else:
+            out = run_attention(self, q, k, v)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -59,15 +65,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig) -> None:
+    def __init__(self, arch: ArchConfig, layer_index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch)
+        self.self_attn = Attention(arch, layer_index)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch)
 
-    def forward(self, x: torch.Tensor, cos_sin: tuple, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, meta)
+    def forward(self, x: torch.Tensor, cos_sin: tuple) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -93,17 +99,26 @@ class LlamaForCausalLM(nn.Module):
             arch.vocab_size, arch.hidden_size, _weight=torch.empty(arch.vocab_size, arch.hidden_size)
         )
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = Linear(arch.hidden_size, arch.vocab_size)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+        # A torch.compile'd hidden_states, set by kvflow.models.compiled when compiling pays.
+        self.compiled_hidden_states: Callable | None = None
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        with forward_context(meta, self.attention_layers):
+            run = self.compiled_hidden_states or self.hidden_states
+            return run(input_ids, positions)
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Hidden states of a flat batch; attention reads the step's metadata from the forward context."""
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary.cos_sin(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos_sin, meta)
+            x = layer(x, cos_sin)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,12 @@
-"""Greedy outputs are identical whatever the batch, chunk size, prefix-cache state or preemption (float32)."""
+"""Greedy outputs are identical whatever the batch, chunk size, prefix-cache state or preemption.
+
+Run for four ways of holding the model: float32 weights and cache; packed Q4_1/Q8_0 weights
+(quantization="gguf") with a float32, a bfloat16 and a float16 cache.
+
+Not in the list: float32 dense weights with a 16-bit cache. PyTorch's float32 matmul rounds a row
+differently depending on how many rows the call has (M <= 3 differs from M = 64 for 960x576), and
+rounding K/V to 16 bits turns those last-bit differences into 16-bit-sized ones, which flipped a
+greedy token of one prompt here. The packed kernels compute each row independently of the others."""
 
 from __future__ import annotations
 
@@ -8,28 +16,53 @@ from engine_helpers import GREEDY_32, PROMPTS, greedy_tokens, make_llm
 TARGET = PROMPTS[0]
 
 
+VARIANTS = {
+    "float32": ("default_loaded", {}),
+    "packed gguf weights": ("packed_loaded", {}),
+    "packed gguf weights, kv bfloat16": ("packed_loaded", {"kv_cache_dtype": "bfloat16"}),
+    "packed gguf weights, kv float16": ("packed_loaded", {"kv_cache_dtype": "float16"}),
+}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def variant(request):
+    """(loaded model, engine options) of one variant."""
+    fixture, options = VARIANTS[request.param]
+    return request.getfixturevalue(fixture), options
+
+
 @pytest.fixture(scope="module")
-def alone(default_loaded) -> dict[str, list[int]]:
+def model(variant):
+    loaded, options = variant
+
+    def build(**extra):
+        return make_llm(loaded, **{**options, **extra})
+
+    return build
+
+
+@pytest.fixture(scope="module")
+def alone(model) -> dict[str, list[int]]:
     """Each prompt run alone, with a plain configuration: the answer every other run must match."""
-    llm = make_llm(default_loaded, enable_prefix_caching=False)
+    llm = model(enable_prefix_caching=False)
     return {p: greedy_tokens(llm, [p])[0] for p in PROMPTS}
 
 
-def test_batched_with_fifteen_others(default_loaded, alone):
-    llm = make_llm(default_loaded, enable_prefix_caching=False)
+def test_batched_with_fifteen_others(model, alone):
+    llm = model(enable_prefix_caching=False)
     outs = greedy_tokens(llm, PROMPTS)
     assert outs == [alone[p] for p in PROMPTS]
 
 
 @pytest.mark.parametrize("chunk", [8, 64, 2048])
-def test_chunk_sizes(default_loaded, alone, chunk):
-    llm = make_llm(default_loaded, max_num_batched_tokens=chunk, enable_prefix_caching=False)
+def test_chunk_sizes(model, alone, chunk):
+    llm = model(max_num_batched_tokens=chunk, enable_prefix_caching=False)
     prompts = PROMPTS[:6]
     assert greedy_tokens(llm, prompts) == [alone[p] for p in prompts]
 
 
-def test_prefix_cache_on_and_warm(default_loaded, alone):
-    llm = make_llm(default_loaded, enable_prefix_caching=True, block_size=4)  # prompts are short
+def test_prefix_cache_on_and_warm(model, alone):
+    llm = model(enable_prefix_caching=True, block_size=4)  # prompts are short
     prompts = PROMPTS[:8]
     cold = greedy_tokens(llm, prompts)
     stats = llm.engine.scheduler.kv_cache_manager.stats
@@ -39,9 +72,9 @@ def test_prefix_cache_on_and_warm(default_loaded, alone):
     assert cold == warm == [alone[p] for p in prompts]
 
 
-def test_preemption(default_loaded, alone):
+def test_preemption(model, alone):
     # 12 blocks of 16 tokens: a handful of ~45-token sequences cannot all stay resident.
-    llm = make_llm(default_loaded, num_blocks=12, block_size=16)
+    llm = model(num_blocks=12, block_size=16)
     prompts = PROMPTS[:6]
     outs = llm.generate(prompts, GREEDY_32)
     assert sum(o.metrics.num_preemptions for o in outs) > 0, "the pool was meant to force preemption"

@@ -6,6 +6,7 @@ import pytest
 import torch
 from gpu.paged_batch import make_paged_batch
 
+from kvflow.kernels import cpu_attention
 from kvflow.layers.attention.metadata import AttentionMetadata
 from kvflow.layers.attention.sdpa import SDPABackend
 
@@ -16,6 +17,17 @@ CASES = {
     "fresh prompt": ([33], [33]),
     "prefix hit + chunk, decode, fresh prompt": ([40, 21, 9], [7, 1, 9]),
 }
+
+
+@pytest.fixture(params=["cpp kernel", "pytorch ops"], autouse=True)
+def decode_path(request, monkeypatch):
+    """Every test runs twice: one-token queries through the C++ kernel, and through PyTorch ops (the path
+    taken where no compiler is available)."""
+    if request.param == "pytorch ops":
+        monkeypatch.setattr(cpu_attention, "available", lambda: False)
+    elif not cpu_attention.available():
+        pytest.skip("needs a C++ compiler (g++) to build the kernel")
+    return request.param
 
 
 def metadata(batch, contiguous: list[int] | None = None) -> AttentionMetadata:

@@ -30,8 +30,8 @@ DECODER_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
 
 
 @pytest.fixture(scope="module")
-def packed():
-    return load_model(ModelConfig(dtype="float32", device="cpu", max_model_len=4096, quantization="gguf"))
+def packed(packed_loaded):
+    return packed_loaded
 
 
 def flat_logits(model, prompts: list[list[int]]) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvflow.kernels import cpu_attention
 from kvflow.layers.attention import reference
 from kvflow.layers.attention.metadata import AttentionMetadata
 
@@ -69,20 +70,35 @@ class SDPABackend:
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.slot_mapping is None:  # a one-shot forward (scoring, parity checks): leave the cache alone
             k_cache = v_cache = None
-        if k_cache is not None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # dense rows, whatever q's strides
+        decode_rows_done = False
+        if k_cache is not None and cpu_attention.supports(q, k, v, k_cache, meta):
+            # C++ kernel: stores every new k/v and attends for every one-token query, whatever else the
+            # step holds, so a decode token's rounding never depends on its batch.
+            cpu_attention.store_and_decode(q, k, v, k_cache, v_cache, meta, scale, out)
+            if meta.is_decode_only:
+                return out
+            decode_rows_done = True
+        elif k_cache is not None:
             reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        if k_cache is not None and meta.is_decode_only and meta.num_seqs > 1 and _padding_is_cheap(meta):
-            return self._batched_decode(q, k_cache, v_cache, meta, scale)
-        out = torch.empty_like(q)
+            if meta.is_decode_only and meta.num_seqs > 1 and _padding_is_cheap(meta):
+                return self._batched_decode(q, k_cache, v_cache, meta, scale)
         start = 0
         for b, (lq, lk) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
             end = start + lq
-            if lq == 0:
+            if lq == 0 or (lq == 1 and decode_rows_done):
+                start = end
                 continue
             if k_cache is None or lq == lk:  # nothing cached before this chunk: attend to fresh k/v
-                out[start:end] = _sdpa(q[start:end], k[start:end], v[start:end], scale, causal=lq > 1)
+                kb, vb = k[start:end], v[start:end]
+                if k_cache is not None and k_cache.dtype != q.dtype:
+                    # As stored: a later chunk reads these rounded values back, so a prompt's result
+                    # must not depend on whether it was split.
+                    kb, vb = kb.to(k_cache.dtype).to(q.dtype), vb.to(k_cache.dtype).to(q.dtype)
+                out[start:end] = _sdpa(q[start:end], kb, vb, scale, causal=lq > 1)
             else:
                 kb, vb = _context(k_cache, v_cache, meta, b, lk)
+                kb, vb = kb.to(q.dtype), vb.to(q.dtype)  # a cache may be stored narrower (kv_cache_dtype)
                 mask = None if lq == 1 else _offset_causal_mask(lq, lk, q.device)
                 out[start:end] = _sdpa(q[start:end], kb, vb, scale, mask=mask)
             start = end

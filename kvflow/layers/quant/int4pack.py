@@ -14,7 +14,6 @@ which one this build uses by packing a probe once.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -112,9 +111,18 @@ def gather_nibbles(p: Int4Pack, rows: torch.Tensor) -> torch.Tensor:
     return torch.where(high.view(-1, 1), byte >> 4, byte & 0x0F)
 
 
-@functools.cache
+_layout: tuple[int, str] | None = None  # a plain global rather than functools.cache: torch.compile reads it
+
+
 def layout() -> tuple[int, str]:
     """(rows per interleave block, 'halves' | 'pairs') of this build's int4 packing, found by a probe."""
+    global _layout
+    if _layout is None:
+        _layout = _probe_layout()
+    return _layout
+
+
+def _probe_layout() -> tuple[int, str]:
     probe = torch.randint(0, 16, (64, 64), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
     packed = aten._convert_weight_to_int4pack_for_cpu(probe, 1).view(-1)
     for block in (64, 32, 16):

@@ -1,0 +1,91 @@
+"""Build and load kvflow's C++ CPU kernels: compiled once per machine, cached, loaded through ctypes.
+
+The sources are plain C++ with an `extern "C"` interface and no PyTorch headers, so a build takes a
+second or two rather than the half minute a torch extension needs. They use OpenMP; the process already
+holds PyTorch's libgomp, and the library's libgomp.so.1 dependency resolves to that one copy, so both
+share one thread pool. Without a C++ compiler, `load()` returns None and callers use PyTorch ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger("kvflow")
+
+SOURCES = ("paged_attention.cpp",)
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("KVFLOW_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvflow"
+    )
+    return Path(root) / "kernels"
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("model name", "flags"))), "")
+    except OSError:
+        return platform.processor()
+
+
+def _library_path(compiler: str) -> Path:
+    src = Path(__file__).parent / "csrc"
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        digest.update((src / name).read_bytes())
+    # -march=native code is only right for this CPU and compiler.
+    digest.update(" ".join((compiler, *FLAGS, _cpu_name())).encode())
+    return cache_dir() / f"libkvflow_cpu-{digest.hexdigest()[:16]}.so"
+
+
+def build(compiler: str) -> Path:
+    target = _library_path(compiler)
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    sources = [str(Path(__file__).parent / "csrc" / name) for name in SOURCES]
+    # Build beside the target and rename: concurrent processes never load a half-written file.
+    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
+        partial = Path(tmp.name)
+    try:
+        subprocess.run([compiler, *FLAGS, *sources, "-o", str(partial)], check=True, capture_output=True, text=True)
+        partial.replace(target)
+    finally:
+        partial.unlink(missing_ok=True)
+    log.info("built CPU kernels: %s", target)
+    return target
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The kernel library, or None where it cannot be built (no compiler, KVFLOW_CPU_KERNELS=0)."""
+    if os.environ.get("KVFLOW_CPU_KERNELS", "1") == "0":
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        log.warning("no C++ compiler found: CPU attention runs through PyTorch ops (slower decode)")
+        return None
+    import torch  # noqa: F401 - PyTorch's libgomp must be loaded first, so the library shares it
+
+    try:
+        return ctypes.CDLL(str(build(compiler)))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", "") or str(exc)
+        log.warning("CPU kernels failed to build, using PyTorch ops instead: %s", detail.strip()[:500])
+        return None

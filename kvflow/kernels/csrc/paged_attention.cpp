@@ -1,0 +1,270 @@
+// Decode attention over the paged KV cache, for CPU: one call per layer and step.
+//
+// Stores the step's new K/V rows into their cache slots, then, for every sequence whose query this
+// step is a single token, attends over its whole context through its block table. Each K/V byte is
+// read once per step: the query heads that share a KV head (grouped-query attention) are scored
+// together. Work is split into fixed chunks of positions, so a long context keeps every thread busy,
+// and the chunks' partial softmax results are merged in a fixed order: a sequence's result depends on
+// nothing but its own inputs (not on the batch, nor on the thread count).
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int kChunk = 128;  // positions per work item
+
+inline float bf16_to_float(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch does
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// Dot products and row updates over head_dim values, float32 or bfloat16 storage. With AVX-512 the
+// sum of a dot product is a tree over vector lanes; a plain loop would make the compiler add the 16
+// lanes one after another (it may not reassociate float adds), which costs more than the multiplies.
+#ifdef __AVX512F__
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const _Float16* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
+inline float widen(float x) { return x; }
+inline float widen(uint16_t x) { return bf16_to_float(x); }
+inline float widen(_Float16 x) { return static_cast<float>(x); }
+
+template <typename T>
+inline float dot(const float* q, const T* k, int d) {
+#ifdef __AVX512F__
+  if (d % 16 == 0) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int i = 0; i < d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(k + i), acc);
+    return _mm512_reduce_add_ps(acc);
+  }
+#endif
+  float total = 0.f;
+  for (int i = 0; i < d; ++i) total += q[i] * widen(k[i]);
+  return total;
+}
+
+template <typename T>
+inline void add_scaled(float* acc, float w, const T* v, int d) {  // acc += w * v
+#ifdef __AVX512F__
+  if (d % 16 == 0) {
+    const __m512 wv = _mm512_set1_ps(w);
+    for (int i = 0; i < d; i += 16)
+      _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(wv, load16(v + i), _mm512_loadu_ps(acc + i)));
+    return;
+  }
+#endif
+  for (int i = 0; i < d; ++i) acc[i] += w * widen(v[i]);
+}
+
+template <typename T>
+inline void store_row(const float* src, T* dst, int d);
+
+template <>
+inline void store_row<float>(const float* src, float* dst, int d) {
+  std::memcpy(dst, src, sizeof(float) * d);
+}
+
+template <>
+inline void store_row<uint16_t>(const float* src, uint16_t* dst, int d) {
+  for (int i = 0; i < d; ++i) dst[i] = float_to_bf16(src[i]);
+}
+
+template <>
+inline void store_row<_Float16>(const float* src, _Float16* dst, int d) {
+  for (int i = 0; i < d; ++i) dst[i] = static_cast<_Float16>(src[i]);  // round to nearest even
+}
+
+struct Shape {
+  int num_kv_heads, head_dim, block_size, group;
+  int64_t table_stride;
+  float scale;
+};
+
+// exp(x[i] - m) in place, returning the sum. Inputs are <= 0 after subtracting the max. With AVX-512:
+// 2^n * e^r with |r| <= ln2/2 and a degree-6 polynomial for e^r (about 1 ulp, like expf).
+inline float exp_shifted_sum(float* x, int n, float m) {
+  int i = 0;
+  float total = 0.f;
+#ifdef __AVX512F__
+  const __m512 log2e = _mm512_set1_ps(1.44269504f), ln2_hi = _mm512_set1_ps(0.693359375f),
+               ln2_lo = _mm512_set1_ps(-2.12194440e-4f), lowest = _mm512_set1_ps(-87.3f), mv = _mm512_set1_ps(m);
+  const float c[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                      4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_sub_ps(_mm512_loadu_ps(x + i), mv);
+    const __mmask16 tiny = _mm512_cmp_ps_mask(v, lowest, _CMP_LT_OQ);  // e^v underflows: exactly 0
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, ln2_hi, _mm512_max_ps(v, lowest));
+    r = _mm512_fnmadd_ps(k, ln2_lo, r);
+    __m512 poly = _mm512_set1_ps(c[0]);
+    for (int j = 1; j < 6; ++j) poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(c[j]));
+    poly = _mm512_fmadd_ps(poly, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    const __m512i pow2 = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+    const __m512 e = _mm512_maskz_mul_ps(static_cast<__mmask16>(~tiny), poly, _mm512_castsi512_ps(pow2));
+    _mm512_storeu_ps(x + i, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  total = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - m);
+    total += x[i];
+  }
+  return total;
+}
+
+// One chunk of one sequence: scores of all query heads over positions [lo, hi), then softmax-weighted
+// V. Loops run per (KV head, query head) over positions, so the query (or output) row stays in
+// registers and the chunk's K/V rows of that KV head, read from memory once, are re-read from L1 by
+// the other query heads of the group. Writes per query head the chunk's max score, exp-sum and
+// unnormalised output, merged later.
+template <typename T>
+void attend_chunk(const float* q, const T* k_cache, const T* v_cache, const int32_t* table, int lo, int hi,
+                  const Shape& s, float* scores, int64_t* offsets, float* max_out, float* sum_out, float* acc_out) {
+  const int d = s.head_dim, g = s.group, hkv = s.num_kv_heads, n = hi - lo;
+  const int64_t token_stride = static_cast<int64_t>(hkv) * d;
+  for (int p = 0; p < n; ++p) {  // where each position's row starts in the cache, found once
+    const int pos = lo + p;
+    const int64_t slot = static_cast<int64_t>(table[pos / s.block_size]) * s.block_size + pos % s.block_size;
+    offsets[p] = slot * token_stride;
+  }
+  for (int kv = 0; kv < hkv; ++kv) {
+    for (int j = 0; j < g; ++j) {
+      const int h = kv * g + j;
+      float* sc = scores + h * kChunk;
+      for (int p = 0; p < n; ++p)
+        sc[p] = dot(q + h * d, k_cache + offsets[p] + kv * d, d) * s.scale;
+      float m = -INFINITY;
+      for (int p = 0; p < n; ++p) m = sc[p] > m ? sc[p] : m;
+      max_out[h] = m;
+      sum_out[h] = exp_shifted_sum(sc, n, m);
+    }
+  }
+  std::memset(acc_out, 0, sizeof(float) * hkv * g * d);
+  for (int kv = 0; kv < hkv; ++kv) {
+    for (int j = 0; j < g; ++j) {
+      const int h = kv * g + j;
+      const float* sc = scores + h * kChunk;
+      for (int p = 0; p < n; ++p)
+        add_scaled(acc_out + h * d, sc[p], v_cache + offsets[p] + kv * d, d);
+    }
+  }
+}
+
+template <typename T>
+void run(const float* q, int64_t q_stride, const float* k_new, int64_t k_stride, const float* v_new,
+         int64_t v_stride, T* k_cache, T* v_cache, const int64_t* slots, int num_tokens,
+         const int32_t* query_start, const int32_t* seq_lens, const int32_t* tables, int num_seqs,
+         float* out, int64_t out_stride, const Shape& s, int num_threads) {
+  const int d = s.head_dim, hkv = s.num_kv_heads, hq = hkv * s.group;
+  const int64_t token_stride = static_cast<int64_t>(hkv) * d;
+  for (int t = 0; t < num_tokens; ++t) {  // new K/V into their slots, before anyone reads them
+    for (int h = 0; h < hkv; ++h) {
+      store_row(k_new + t * k_stride + h * d, k_cache + slots[t] * token_stride + h * d, d);
+      store_row(v_new + t * v_stride + h * d, v_cache + slots[t] * token_stride + h * d, d);
+    }
+  }
+  // Work items: (decode sequence, chunk of positions); chunk c of sequence b is item first_chunk[b] + c.
+  std::vector<int> item_seq, first_chunk(num_seqs + 1, 0);
+  for (int b = 0; b < num_seqs; ++b) {
+    first_chunk[b] = static_cast<int>(item_seq.size());
+    if (query_start[b + 1] - query_start[b] != 1) continue;  // prefill rows are not ours
+    const int chunks = (seq_lens[b] + kChunk - 1) / kChunk;
+    item_seq.insert(item_seq.end(), chunks, b);
+  }
+  const int total_chunks = static_cast<int>(item_seq.size());
+  first_chunk[num_seqs] = total_chunks;
+  // Partial results per (chunk, query head): max, sum, acc[d].
+  std::vector<float> part_max(static_cast<size_t>(total_chunks) * hq);
+  std::vector<float> part_sum(static_cast<size_t>(total_chunks) * hq);
+  std::vector<float> part_acc(static_cast<size_t>(total_chunks) * hq * d);
+  // Waking a thread team costs microseconds: short contexts run on the calling thread. The split into
+  // chunks, and so the result, is the same either way.
+  const int team = total_chunks >= 4 ? num_threads : 1;
+#pragma omp parallel num_threads(team) if (team > 1)
+  {
+    std::vector<float> scores(static_cast<size_t>(kChunk) * hq);
+    std::vector<int64_t> offsets(kChunk);
+#pragma omp for schedule(dynamic, 1)
+    for (int i = 0; i < total_chunks; ++i) {
+      const int b = item_seq[i];
+      const int lo = (i - first_chunk[b]) * kChunk;
+      const int hi = seq_lens[b] < lo + kChunk ? seq_lens[b] : lo + kChunk;
+      const size_t at = static_cast<size_t>(i) * hq;
+      attend_chunk(q + query_start[b] * q_stride, k_cache, v_cache, tables + b * s.table_stride, lo, hi, s,
+                   scores.data(), offsets.data(), &part_max[at], &part_sum[at], &part_acc[at * d]);
+    }
+  }
+  // Merge each sequence's chunks in order.
+  for (int b = 0; b < num_seqs; ++b) {
+    const int c0 = first_chunk[b], c1 = first_chunk[b + 1];
+    if (c0 == c1) continue;
+    float* o = out + query_start[b] * out_stride;
+    for (int h = 0; h < hq; ++h) {
+      float m = -INFINITY;
+      for (int c = c0; c < c1; ++c) m = part_max[c * hq + h] > m ? part_max[c * hq + h] : m;
+      float total = 0.f;
+      float* oh = o + h * d;
+      std::memset(oh, 0, sizeof(float) * d);
+      for (int c = c0; c < c1; ++c) {
+        const float w = std::exp(part_max[c * hq + h] - m);
+        total += w * part_sum[c * hq + h];
+        const float* acc = &part_acc[(static_cast<size_t>(c) * hq + h) * d];
+        for (int i = 0; i < d; ++i) oh[i] += w * acc[i];
+      }
+      const float inv = 1.f / total;
+      for (int i = 0; i < d; ++i) oh[i] *= inv;
+    }
+  }
+}
+
+}  // namespace
+
+
+// cache_dtype: 0 float32, 1 bfloat16 (stored as uint16_t bits), 2 float16. Returns 0, or -1 when a size is beyond this kernel's buffers.
+extern "C" int kvflow_paged_decode_attention(
+    const float* q, int64_t q_stride, const float* k_new, int64_t k_stride, const float* v_new,
+    int64_t v_stride, void* k_cache, void* v_cache, int cache_dtype, const int64_t* slots, int num_tokens,
+    const int32_t* query_start, const int32_t* seq_lens, const int32_t* tables, int64_t table_stride,
+    int num_seqs, float* out, int64_t out_stride, int num_heads, int num_kv_heads, int head_dim,
+    int block_size, float scale, int num_threads) {
+  if (num_heads % num_kv_heads) return -1;
+  const Shape s{num_kv_heads, head_dim, block_size, num_heads / num_kv_heads, table_stride, scale};
+  if (cache_dtype == 0)
+    run(q, q_stride, k_new, k_stride, v_new, v_stride, static_cast<float*>(k_cache),
+        static_cast<float*>(v_cache), slots, num_tokens, query_start, seq_lens, tables, num_seqs, out,
+        out_stride, s, num_threads);
+  else if (cache_dtype == 1)
+    run(q, q_stride, k_new, k_stride, v_new, v_stride, static_cast<uint16_t*>(k_cache),
+        static_cast<uint16_t*>(v_cache), slots, num_tokens, query_start, seq_lens, tables, num_seqs, out,
+        out_stride, s, num_threads);
+  else
+    run(q, q_stride, k_new, k_stride, v_new, v_stride, static_cast<_Float16*>(k_cache),
+        static_cast<_Float16*>(v_cache), slots, num_tokens, query_start, seq_lens, tables, num_seqs, out,
+        out_stride, s, num_threads);
+  return 0;
+}

@@ -1,0 +1,64 @@
+"""torch.compile for CPU steps: the model's Python and small-op overhead, removed.
+
+An eager decode step of a 30-layer model launches about 1,500 small ops (norms, rotary, residual adds,
+dtype casts), each costing microseconds of dispatch, which at batch 1 is as much time as the matmuls
+themselves. Inductor fuses them into a few C++ loops per layer and calls the matmul kernels directly.
+Attention stays an opaque custom op (see layers/attention/forward_context), so a step's changing
+sequence lengths never cause a recompile: only the token count is a graph input.
+
+Graphs are built at start-up for the three shape classes a run meets (one token, a few decode rows,
+prefill-sized chunks), and Inductor's on-disk cache makes later starts of the same model quick.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+
+import torch
+
+from kvflow.layers.attention.metadata import AttentionMetadata
+
+log = logging.getLogger("kvflow")
+
+COMPILE_MODES = ("auto", "on", "off")
+# Token counts that build every graph a run needs: 1 (specialised), a small dynamic batch, a large one.
+WARMUP_TOKEN_COUNTS = (1, 2, 64)
+
+
+def should_compile(mode: str, device: torch.device, dtype_option: str) -> bool:
+    """auto: compile on CPU in the default fast mode. dtype float32 is the bit-exact reference mode and
+    stays eager unless compile is forced on: compiled reductions may round differently from eager."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
+    if mode == "off":
+        return False
+    if mode == "on":
+        return True
+    return device.type == "cpu" and dtype_option == "auto" and compiler_available()
+
+
+def compiler_available() -> bool:
+    """Inductor's CPU code needs a C++ compiler; without one we run eager rather than fail."""
+    return shutil.which(os.environ.get("CXX", "g++")) is not None
+
+
+def compile_model(model: torch.nn.Module) -> None:
+    """Swap in a compiled hidden-states pass; the eager one stays for anything compile cannot take."""
+    model.requires_grad_(False)  # inference only: lets Inductor skip building a backward graph
+    model.compiled_hidden_states = torch.compile(model.hidden_states, dynamic=None, fullgraph=True)
+
+
+@torch.inference_mode()
+def warm_up(model: torch.nn.Module, device: torch.device) -> float:
+    """Run each shape class once (no KV cache is touched) so no request waits on a compile; returns seconds."""
+    start = time.perf_counter()
+    for n in WARMUP_TOKEN_COUNTS:
+        ids = torch.zeros(n, dtype=torch.long, device=device)
+        positions = torch.arange(n, device=device)
+        model(ids, positions, AttentionMetadata.for_prompts([n], device))
+    seconds = time.perf_counter() - start
+    log.info("compiled the model for CPU in %.1f s (cached on disk for later starts)", seconds)
+    return seconds

@@ -1,0 +1,111 @@
+"""The C++ decode-attention kernel (kvflow/kernels) against the plain-PyTorch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gpu.paged_batch import make_paged_batch
+
+from kvflow.kernels import cpu_attention
+from kvflow.layers.attention.metadata import AttentionMetadata
+
+CPU = torch.device("cpu")
+
+pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="needs a C++ compiler (g++) to build")
+
+
+def metadata(batch) -> AttentionMetadata:
+    return AttentionMetadata(
+        query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens, query_lens_cpu=batch.query_lens_cpu,
+        seq_lens_cpu=batch.seq_lens_cpu, slot_mapping=batch.slot_mapping, block_tables=batch.block_tables,
+    )
+
+
+def run_kernel(batch, scale=0.125):
+    out = torch.zeros(batch.q.shape)
+    meta = metadata(batch)
+    assert cpu_attention.supports(batch.q, batch.k, batch.v, batch.k_cache, meta)
+    cpu_attention.store_and_decode(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, meta, scale, out)
+    return out
+
+
+@pytest.mark.parametrize("seq_lens", [[1], [37], [128], [129], [1000, 3, 513]])
+@pytest.mark.parametrize("group", [1, 3, 8, 16])
+@pytest.mark.parametrize("head_dim", [64, 40])  # 40: not a multiple of the vector width, the plain loops
+def test_decode_matches_reference(seq_lens, group, head_dim):
+    batch = make_paged_batch(seq_lens, [1] * len(seq_lens), num_kv_heads=2, group=group, head_dim=head_dim,
+                             block_size=16, dtype=torch.float32, device=CPU)
+    expected = batch.reference_output(scale=0.125)
+    torch.testing.assert_close(run_kernel(batch), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+def test_half_cache_matches_reference_on_rounded_values(cache_dtype):
+    """A 16-bit cache: the kernel widens stored values exactly, so the reference on the same rounded values
+    agrees to float32 accuracy; new k/v are rounded on store exactly as torch's copy rounds them."""
+    batch = make_paged_batch([300, 20], [1, 1], num_kv_heads=3, group=3, head_dim=64, block_size=16,
+                             dtype=torch.float32, device=CPU, cache_dtype=cache_dtype)
+    new_k = batch.k.clone()
+    batch.k, batch.v = batch.k.to(cache_dtype).float(), batch.v.to(cache_dtype).float()
+    expected = batch.reference_output(scale=0.125)
+    batch.k = new_k  # the kernel gets the unrounded rows and must round them itself
+    torch.testing.assert_close(run_kernel(batch), expected, rtol=1e-5, atol=1e-5)
+    stored = batch.k_cache.view(-1, 3, 64)[batch.slot_mapping]
+    assert torch.equal(stored, new_k.to(cache_dtype))
+
+
+def test_stores_every_token_and_skips_prefill_rows():
+    """In a mixed step the kernel writes all new k/v (prefill rows too) but leaves prefill outputs alone."""
+    batch = make_paged_batch([40, 21, 9], [7, 1, 9], num_kv_heads=2, group=3, head_dim=64, block_size=16,
+                             dtype=torch.float32, device=CPU)
+    expected = batch.reference_output(scale=0.125)
+    out = run_kernel(batch)
+    decode_row = 7
+    torch.testing.assert_close(out[decode_row], expected[decode_row], rtol=1e-5, atol=1e-5)
+    assert torch.count_nonzero(out[:7]) == 0 and torch.count_nonzero(out[8:]) == 0
+    flat_k = batch.k_cache.view(-1, 2, 64)
+    assert torch.equal(flat_k[batch.slot_mapping], batch.k)
+
+
+def test_strided_value_rows():
+    """v arrives as a column slice of the fused qkv projection: rows strided, heads contiguous."""
+    batch = make_paged_batch([50, 70], [1, 1], num_kv_heads=2, group=3, head_dim=64, block_size=16,
+                             dtype=torch.float32, device=CPU)
+    fused = torch.cat([batch.k.flatten(1), batch.v.flatten(1)], dim=1)
+    batch.v = fused[:, 128:].view(-1, 2, 64)
+    assert not batch.v.is_contiguous()
+    expected = batch.reference_output(scale=0.125)
+    torch.testing.assert_close(run_kernel(batch), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_sequence_result_is_bitwise_independent_of_batch_and_threads():
+    long = make_paged_batch([900], [1], num_kv_heads=2, group=3, head_dim=64, block_size=16,
+                            dtype=torch.float32, device=CPU, seed=3)
+    alone = run_kernel(long)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = run_kernel(make_paged_batch([900], [1], num_kv_heads=2, group=3, head_dim=64,
+                                                 block_size=16, dtype=torch.float32, device=CPU, seed=3))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, one_thread)
+    # The same sequence as the second of three: same q and context, other sequences around it.
+    batch = make_paged_batch([30, 900, 500], [1, 1, 1], num_kv_heads=2, group=3, head_dim=64, block_size=16,
+                             dtype=torch.float32, device=CPU, seed=4)
+    batch.q[1], batch.k[1], batch.v[1] = long.q[0], long.k[0], long.v[0]
+    for p in range(899):  # copy the long sequence's cached context into this batch's blocks
+        src = long.block_tables[0, p // 16] * 16 + p % 16
+        dst = batch.block_tables[1, p // 16] * 16 + p % 16
+        batch.k_cache.view(-1, 2, 64)[dst] = long.k_cache.view(-1, 2, 64)[src]
+        batch.v_cache.view(-1, 2, 64)[dst] = long.v_cache.view(-1, 2, 64)[src]
+    assert torch.equal(run_kernel(batch)[1], alone[0])
+
+
+def test_refuses_what_it_cannot_take():
+    batch = make_paged_batch([10], [1], num_kv_heads=2, group=3, head_dim=64, block_size=16,
+                             dtype=torch.float32, device=CPU, cache_dtype=torch.float64)
+    assert not cpu_attention.supports(batch.q, batch.k, batch.v, batch.k_cache, metadata(batch))
+    batch = make_paged_batch([10], [1], num_kv_heads=2, group=3, head_dim=64, block_size=16,
+                             dtype=torch.bfloat16, device=CPU)  # bf16 activations: not this kernel's
+    assert not cpu_attention.supports(batch.q, batch.k, batch.v, batch.k_cache, metadata(batch))
