@@ -6,7 +6,7 @@
 3. llama.cpp's server (llama_cpp.server) against `kvflow serve` under the same `kvflow bench serve` load
    (200-token prompts, 128 output tokens, EOS ignored) at concurrency 1 and 8.
 
-    python benchmarks/side_by_side.py [--threads 2] [--quantization gguf] [--num-prompts 16] [--record]
+    python benchmarks/side_by_side.py [--threads 2] [--quantization gguf] [--depth 4096] [--num-prompts 16] [--record]
 """
 
 from __future__ import annotations
@@ -28,19 +28,22 @@ LLAMACPP_VENV = Path(os.environ.get("LLAMACPP_VENV", HERE.parent / ".venv-llamac
 LLAMACPP_BENCH = r"""
 import json, sys, time
 from llama_cpp import Llama
-path, threads, n_prompt, n_gen, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-llm = Llama(model_path=path, n_ctx=4096, n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)
-prompt = [100 + (i * 7919) % 20000 for i in range(n_prompt)]
+path, threads, n_prompt, n_gen, reps, depth = sys.argv[1], *map(int, sys.argv[2:7])
+llm = Llama(model_path=path, n_ctx=depth + n_gen + 64, n_threads=threads, n_threads_batch=threads, n_batch=512,
+            verbose=False)
+context = [100 + (i * 7919) % 20000 for i in range(max(n_prompt, depth))]
 def pp():
-    llm.reset(); t = time.perf_counter(); llm.eval(prompt); return n_prompt / (time.perf_counter() - t)
-def tg():
-    llm.reset(); llm.eval(prompt[:1]); t = time.perf_counter()
+    llm.reset(); t = time.perf_counter(); llm.eval(context[:n_prompt]); return n_prompt / (time.perf_counter() - t)
+def tg(d):
+    llm.reset(); llm.eval(context[:max(d, 1)]); t = time.perf_counter()
     for i in range(n_gen):
         llm.eval([200 + i])
     return n_gen / (time.perf_counter() - t)
-pp(); tg()  # warm-up
-pps = sorted(pp() for _ in range(reps)); tgs = sorted(tg() for _ in range(reps))
-print(json.dumps({"pp": pps[len(pps) // 2], "tg": tgs[len(tgs) // 2]}))
+def median(xs):
+    return sorted(xs)[len(xs) // 2]
+pp(); tg(0)  # warm-up
+print(json.dumps({"pp": median([pp() for _ in range(reps)]), "tg": median([tg(0) for _ in range(reps)]),
+                  "tg_depth": median([tg(depth) for _ in range(reps)])}))
 """
 
 
@@ -108,7 +111,8 @@ def serve_both(args, gguf: Path, llamacpp_python: Path, out_dir: Path) -> dict:
             "--n_threads_batch", str(args.threads), "--n_ctx", "16384", "--host", "127.0.0.1", "--port", str(port)],
         "kvflow": lambda port: [
             sys.executable, "-m", "kvflow", "serve", "--model", str(gguf), "--threads", str(args.threads),
-            "--host", "127.0.0.1", "--port", str(port), "--kv-cache-memory", "2GiB",
+            # The same context as llama.cpp's -c 16384: 16,384 tokens of float16 K/V (22.5 KiB each).
+            "--host", "127.0.0.1", "--port", str(port), "--kv-cache-memory", "360MiB",
             *(["--quantization", args.quantization] if args.quantization else [])],
     }
     health = {"llama.cpp": "/v1/models", "kvflow": "/health"}
@@ -132,6 +136,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quantization", default=None, help="kvflow --quantization (e.g. gguf)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--depth", type=int, default=4096, help="context depth of the long-context decode test")
     ap.add_argument("--num-prompts", type=int, default=16, help="requests at concurrency 1 (twice that at 8)")
     ap.add_argument("--skip-serve", action="store_true")
     ap.add_argument("--record", action="store_true", help="append the tables to benchmarks/RESULTS.md")
@@ -151,19 +156,21 @@ def main() -> None:
     row = probe["results"][-1]
 
     proc = subprocess.run([str(llamacpp_python), "-c", LLAMACPP_BENCH, str(gguf), str(args.threads), "512", "128",
-                           str(args.reps)], capture_output=True, text=True, check=True)
+                           str(args.reps), str(args.depth)], capture_output=True, text=True, check=True)
     peer = json.loads(proc.stdout.strip().splitlines()[-1])
-    ours = run_latency(None, [512], 128, [0], [1], reps=args.reps, probe=probe, threads=args.threads,
+    ours = run_latency(None, [512], 128, [0, args.depth], [1], reps=args.reps, probe=probe, threads=args.threads,
                        **({"quantization": args.quantization} if args.quantization else {}))
-    pp = next(r for r in ours["results"] if r["test"] == "pp512")
-    tg = next(r for r in ours["results"] if r["test"] == "tg128")
+    pp = next(r for r in ours["results"] if r["test"] == "pp512" and r["depth"] == 0)
+    tg = next(r for r in ours["results"] if r["test"] == "tg128" and r["depth"] == 0)
+    tg_deep = next(r for r in ours["results"] if r["test"] == "tg128" and r["depth"] == args.depth)
 
     lines = [
         f"## Side by side with llama.cpp ({time.strftime('%Y-%m-%d %H:%M')}, {args.threads} threads)",
         "",
         f"`python benchmarks/side_by_side.py --threads {args.threads}"
         f"{' --quantization ' + args.quantization if args.quantization else ''}`, file {gguf.name}; "
-        f"kvflow {ours['dtype']} weights ({ours['weight_bytes_per_step'] / 2**20:.0f} MiB read per decode step).",
+        f"kvflow default mode, {ours['weight_bytes_per_step'] / 2**20:.0f} MiB of weights read per decode step, "
+        f"K/V {ours['kv_bytes_per_token']} bytes per token.",
         "",
         f"Probe: copy {row['copy_dram_gb_s']:.1f} GB/s (1 GiB arrays), {row['copy_cache_gb_s']:.1f} GB/s "
         f"(16 MiB), matmul {row['matmul_f32_tflop_s']:.2f} TFLOP/s f32, {row['matmul_bf16_tflop_s']:.2f} bf16.",
@@ -174,6 +181,8 @@ def main() -> None:
         f"{100 * pp['fraction_of_roofline']:.0f}% |",
         f"| tg128 tok/s | {peer['tg']:.1f} | {tg['tokens_per_s']:.1f} | {tg['tokens_per_s'] / peer['tg']:.2f} | "
         f"{100 * tg['fraction_of_roofline']:.0f}% |",
+        f"| tg128 at depth {args.depth} tok/s | {peer['tg_depth']:.1f} | {tg_deep['tokens_per_s']:.1f} | "
+        f"{tg_deep['tokens_per_s'] / peer['tg_depth']:.2f} | {100 * tg_deep['fraction_of_roofline']:.0f}% |",
         "",
     ]
     if not args.skip_serve:

@@ -102,7 +102,7 @@ def run_latency(
     loaded = load_model(config.model)
     shape = ModelShape.from_hf_config(loaded.arch.raw)
     if config.cache.kv_cache_memory is None:  # room for the largest batch at the deepest context, twice over
-        elem = 4 if loaded.dtype == torch.float32 else 2
+        elem = (loaded.kv_cache_dtype or loaded.dtype).itemsize
         engine_options["kv_cache_memory"] = int(2 * max(batches) * longest * shape.kv_bytes_per_token(elem))
     llm = LLM(loaded_model=loaded, **engine_options)
     weight_bytes = weight_bytes_read_per_step(loaded.model)
@@ -114,7 +114,8 @@ def run_latency(
         save_probe(probe)
     threads = torch.get_num_threads()
     bandwidth = bandwidth_bytes_per_s(probe, threads=threads)
-    amx = any(getattr(m, "weight_bf16", None) is not None for m in loaded.model.modules())
+    amx = any(getattr(m, "weight_bf16", None) is not None or getattr(m, "dense_bf16", None) is not None
+              for m in loaded.model.modules())
     prefill_dtype = "bf16" if loaded.dtype != torch.float32 or amx else "f32"  # AMX prefill runs in bf16
     flops_rate = matmul_flop_per_s(probe, prefill_dtype, threads=threads)
     gen = torch.Generator().manual_seed(0)

@@ -93,7 +93,10 @@ class ModelRunner:
     def bind_kv_cache(self) -> None:
         """Point every attention layer at this runner's cache and backend. Done before each step too, so
         several engines may share one loaded model (tests, benchmarks) as long as they take turns."""
-        for layer, (k_cache, v_cache) in zip(self.model.attention_layers, self.kv_caches):
+        layers = self.model.attention_layers
+        if layers and layers[0].k_cache is self.kv_caches[0][0] and layers[0].backend is self.backend:
+            return  # still ours (nn.Module attribute writes cost microseconds each, every step)
+        for layer, (k_cache, v_cache) in zip(layers, self.kv_caches):
             layer.k_cache, layer.v_cache, layer.backend = k_cache, v_cache, self.backend
 
     @property
