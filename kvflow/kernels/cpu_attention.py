@@ -1,4 +1,4 @@
-"""Python side of the C++ decode-attention kernel (csrc/paged_attention.cpp)."""
+"""Python side of the C++ paged-attention kernel (csrc/paged_attention.cpp)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ def _function():
     lib = build.load()
     if lib is None:
         return None
-    fn = lib.kvflow_paged_decode_attention
+    fn = lib.kvflow_paged_attention
     fn.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i32, _ptr, _i32, _ptr, _ptr, _ptr, _i64,
-                   _i32, _ptr, _i64, _i32, _i32, _i32, _i32, _f32, _i32]
+                   _i32, _ptr, _i64, _i32, _i32, _i32, _i32, _f32, _i32, _i32]
     fn.restype = ctypes.c_int
     return fn
 
@@ -47,11 +47,12 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
     )
 
 
-def store_and_decode(
+def store_and_attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    meta: AttentionMetadata, scale: float, out: torch.Tensor,
+    meta: AttentionMetadata, scale: float, out: torch.Tensor, all_rows: bool = False,
 ) -> None:
-    """Write every token's k/v to its slot, then fill `out` rows of sequences with a one-token query.
+    """Write every token's k/v to its slot, then fill `out` rows of sequences with a one-token query
+    (with all_rows, every row: each query row attends to the cache up to its own position).
 
     q [T, Hq, D], k/v [T, Hkv, D] (rows may be strided), out [T, Hq, D] float32 contiguous."""
     if not available():
@@ -60,7 +61,7 @@ def store_and_decode(
     rc = _fn(
         q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
         k_cache.data_ptr(), v_cache.data_ptr(), _CACHE_DTYPES[k_cache.dtype], *step, out.data_ptr(), out.stride(0),
-        q.shape[1], k.shape[1], q.shape[2], k_cache.shape[1], scale, torch.get_num_threads(),
+        q.shape[1], k.shape[1], q.shape[2], k_cache.shape[1], scale, int(all_rows), torch.get_num_threads(),
     )
     if rc != 0:
         raise RuntimeError("decode attention kernel refused its input shapes")

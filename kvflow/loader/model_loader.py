@@ -36,6 +36,8 @@ class LoadedModel:
     max_model_len: int
     quantization: str | None = None  # the scheme in effect (after "automatic" was resolved)
     kv_cache_dtype: torch.dtype | None = None  # what kv_cache_dtype="auto" means for this load
+    # The exact mode (dtype float32 on CPU): kernels chosen so a token's result never depends on its batch.
+    batch_invariant: bool = False
 
 
 def pick_device(name: str) -> torch.device:
@@ -143,7 +145,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
     # The fast mode's cache holds K/V in float16 (llama.cpp's default too): half the bytes a decode step
     # reads at depth; float16 keeps 3 more mantissa bits than bfloat16, and K/V values sit well in range.
     kv_dtype = torch.float16 if fast_cpu else dtype
-    return LoadedModel(model, tokenizer, arch, resolved, dtype, device, max_len, quantization, kv_dtype)
+    invariant = device.type == "cpu" and config.dtype == "float32"
+    return LoadedModel(model, tokenizer, arch, resolved, dtype, device, max_len, quantization, kv_dtype, invariant)
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ def run_kernel(batch, scale=0.125):
     out = torch.zeros(batch.q.shape)
     meta = metadata(batch)
     assert cpu_attention.supports(batch.q, batch.k, batch.v, batch.k_cache, meta)
-    cpu_attention.store_and_decode(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, meta, scale, out)
+    cpu_attention.store_and_attend(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, meta, scale, out)
     return out
 
 
@@ -109,3 +109,41 @@ def test_refuses_what_it_cannot_take():
     batch = make_paged_batch([10], [1], num_kv_heads=2, group=3, head_dim=64, block_size=16,
                              dtype=torch.bfloat16, device=CPU)  # bf16 activations: not this kernel's
     assert not cpu_attention.supports(batch.q, batch.k, batch.v, batch.k_cache, metadata(batch))
+
+
+def test_all_rows_match_reference_in_a_mixed_step():
+    """all_rows: prefill rows (a fresh prompt, a chunk after cached context) and decode rows alike."""
+    batch = make_paged_batch([40, 21, 9, 300], [7, 1, 9, 130], num_kv_heads=2, group=3, head_dim=64,
+                             block_size=16, dtype=torch.float32, device=CPU)
+    expected = batch.reference_output(scale=0.125)
+    out = torch.zeros(batch.q.shape)
+    cpu_attention.store_and_attend(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, metadata(batch),
+                                   0.125, out, all_rows=True)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_all_rows_result_does_not_depend_on_chunking():
+    """A 300-token prompt attended in one step, or as a 100-token chunk then a 200-token one over the
+    cached first part: every row bitwise equal (rows are computed one by one, in fixed chunks)."""
+    torch.manual_seed(0)
+    hkv, group, d, block, n = 2, 3, 64, 16, 300
+    q, k, v = torch.randn(n, hkv * group, d), torch.randn(n, hkv, d), torch.randn(n, hkv, d)
+    blocks = -(-n // block)
+    table = torch.randperm(blocks + 4)[:blocks].to(torch.int32)[None]
+    slots = (table[0].long()[torch.arange(n) // block] * block + torch.arange(n) % block)
+
+    def step(lo, hi, k_cache, v_cache):
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, hi - lo], dtype=torch.int32),
+            seq_lens=torch.tensor([hi], dtype=torch.int32), query_lens_cpu=[hi - lo], seq_lens_cpu=[hi],
+            slot_mapping=slots[lo:hi], block_tables=table)
+        out = torch.zeros(hi - lo, hkv * group, d)
+        cpu_attention.store_and_attend(q[lo:hi], k[lo:hi], v[lo:hi], k_cache, v_cache, meta, 0.125, out,
+                                       all_rows=True)
+        return out
+
+    shape = (blocks + 4, block, hkv, d)
+    whole = step(0, n, torch.zeros(shape, dtype=torch.float16), torch.zeros(shape, dtype=torch.float16))
+    kc, vc = torch.zeros(shape, dtype=torch.float16), torch.zeros(shape, dtype=torch.float16)
+    split = torch.cat([step(0, 100, kc, vc), step(100, n, kc, vc)])
+    assert torch.equal(whole, split)

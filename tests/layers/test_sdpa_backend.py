@@ -19,10 +19,10 @@ CASES = {
 }
 
 
-@pytest.fixture(params=["cpp kernel", "pytorch ops"], autouse=True)
+@pytest.fixture(params=["cpp kernel", "cpp kernel, all rows", "pytorch ops"], autouse=True)
 def decode_path(request, monkeypatch):
-    """Every test runs twice: one-token queries through the C++ kernel, and through PyTorch ops (the path
-    taken where no compiler is available)."""
+    """Every test runs three times: one-token queries through the C++ kernel; every row through it (the
+    exact mode); everything through PyTorch ops (the path taken where no compiler is available)."""
     if request.param == "pytorch ops":
         monkeypatch.setattr(cpu_attention, "available", lambda: False)
     elif not cpu_attention.available():
@@ -40,16 +40,16 @@ def metadata(batch, contiguous: list[int] | None = None) -> AttentionMetadata:
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("group", [1, 3])
-def test_matches_reference_on_shuffled_blocks(case, group):
+def test_matches_reference_on_shuffled_blocks(case, group, decode_path):
     seq_lens, query_lens = CASES[case]
     batch = make_paged_batch(seq_lens, query_lens, num_kv_heads=2, group=group, head_dim=64, block_size=16,
                              dtype=torch.float32, device=torch.device("cpu"))
     expected = batch.reference_output(scale=0.125)
-    out = SDPABackend().forward(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, metadata(batch), 0.125)
+    out = SDPABackend(exact=decode_path == "cpp kernel, all rows").forward(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, metadata(batch), 0.125)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_consecutive_blocks_are_read_in_place():
+def test_consecutive_blocks_are_read_in_place(decode_path):
     """A sequence whose blocks are consecutive is attended through a slice of the cache, same result."""
     torch.manual_seed(0)
     block, hkv, group, d, seq_len = 8, 3, 3, 64, 29
@@ -63,7 +63,7 @@ def test_consecutive_blocks_are_read_in_place():
                   slot_mapping=torch.tensor([slot]),
                   block_tables=torch.arange(first, first + n_blocks, dtype=torch.int32)[None])
     kc, vc = k_cache.clone(), v_cache.clone()
-    sliced = SDPABackend().forward(q, k, v, k_cache, v_cache, AttentionMetadata(**common,
+    sliced = SDPABackend(exact=decode_path == "cpp kernel, all rows").forward(q, k, v, k_cache, v_cache, AttentionMetadata(**common,
                                    contiguous_first_block=[first]), 0.125)
-    gathered = SDPABackend().forward(q, k, v, kc, vc, AttentionMetadata(**common), 0.125)
+    gathered = SDPABackend(exact=decode_path == "cpp kernel, all rows").forward(q, k, v, kc, vc, AttentionMetadata(**common), 0.125)
     torch.testing.assert_close(sliced, gathered, rtol=0, atol=0)

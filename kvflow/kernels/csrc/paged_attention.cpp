@@ -1,7 +1,8 @@
-// Decode attention over the paged KV cache, for CPU: one call per layer and step.
+// Attention over the paged KV cache, for CPU: one call per layer and step.
 //
 // Stores the step's new K/V rows into their cache slots, then, for every sequence whose query this
-// step is a single token, attends over its whole context through its block table. Each K/V byte is
+// step is a single token (or for every query row, when asked), attends over its context through its
+// block table. Each K/V byte is
 // read once per step: the query heads that share a KV head (grouped-query attention) are scored
 // together. Work is split into fixed chunks of positions, so a long context keeps every thread busy,
 // and the chunks' partial softmax results are merged in a fixed order: a sequence's result depends on
@@ -179,7 +180,7 @@ template <typename T>
 void run(const float* q, int64_t q_stride, const float* k_new, int64_t k_stride, const float* v_new,
          int64_t v_stride, T* k_cache, T* v_cache, const int64_t* slots, int num_tokens,
          const int32_t* query_start, const int32_t* seq_lens, const int32_t* tables, int num_seqs,
-         float* out, int64_t out_stride, const Shape& s, int num_threads) {
+         float* out, int64_t out_stride, const Shape& s, int all_rows, int num_threads) {
   const int d = s.head_dim, hkv = s.num_kv_heads, hq = hkv * s.group;
   const int64_t token_stride = static_cast<int64_t>(hkv) * d;
   for (int t = 0; t < num_tokens; ++t) {  // new K/V into their slots, before anyone reads them
@@ -188,16 +189,24 @@ void run(const float* q, int64_t q_stride, const float* k_new, int64_t k_stride,
       store_row(v_new + t * v_stride + h * d, v_cache + slots[t] * token_stride + h * d, d);
     }
   }
-  // Work items: (decode sequence, chunk of positions); chunk c of sequence b is item first_chunk[b] + c.
-  std::vector<int> item_seq, first_chunk(num_seqs + 1, 0);
+  // Query rows to attend: every one-token query, and with all_rows every row of every sequence (row r
+  // of a sequence whose step brings qlen tokens sits at position seq_len - qlen + r and sees the
+  // context up to and including itself). Row i's chunk c is work item first_chunk[i] + c.
+  struct Row { int out_row, seq, context; };
+  std::vector<Row> rows;
   for (int b = 0; b < num_seqs; ++b) {
-    first_chunk[b] = static_cast<int>(item_seq.size());
-    if (query_start[b + 1] - query_start[b] != 1) continue;  // prefill rows are not ours
-    const int chunks = (seq_lens[b] + kChunk - 1) / kChunk;
-    item_seq.insert(item_seq.end(), chunks, b);
+    const int qlen = query_start[b + 1] - query_start[b];
+    if (qlen == 0 || (qlen != 1 && !all_rows)) continue;
+    for (int r = 0; r < qlen; ++r) rows.push_back({query_start[b] + r, b, seq_lens[b] - qlen + r + 1});
   }
-  const int total_chunks = static_cast<int>(item_seq.size());
-  first_chunk[num_seqs] = total_chunks;
+  const int num_rows = static_cast<int>(rows.size());
+  std::vector<int> first_chunk(num_rows + 1, 0), item_row;
+  for (int i = 0; i < num_rows; ++i) {
+    first_chunk[i] = static_cast<int>(item_row.size());
+    item_row.insert(item_row.end(), (rows[i].context + kChunk - 1) / kChunk, i);
+  }
+  const int total_chunks = static_cast<int>(item_row.size());
+  first_chunk[num_rows] = total_chunks;
   // Partial results per (chunk, query head): max, sum, acc[d].
   std::vector<float> part_max(static_cast<size_t>(total_chunks) * hq);
   std::vector<float> part_sum(static_cast<size_t>(total_chunks) * hq);
@@ -211,19 +220,18 @@ void run(const float* q, int64_t q_stride, const float* k_new, int64_t k_stride,
     std::vector<int64_t> offsets(kChunk);
 #pragma omp for schedule(dynamic, 1)
     for (int i = 0; i < total_chunks; ++i) {
-      const int b = item_seq[i];
-      const int lo = (i - first_chunk[b]) * kChunk;
-      const int hi = seq_lens[b] < lo + kChunk ? seq_lens[b] : lo + kChunk;
+      const Row& row = rows[item_row[i]];
+      const int lo = (i - first_chunk[item_row[i]]) * kChunk;
+      const int hi = row.context < lo + kChunk ? row.context : lo + kChunk;
       const size_t at = static_cast<size_t>(i) * hq;
-      attend_chunk(q + query_start[b] * q_stride, k_cache, v_cache, tables + b * s.table_stride, lo, hi, s,
+      attend_chunk(q + row.out_row * q_stride, k_cache, v_cache, tables + row.seq * s.table_stride, lo, hi, s,
                    scores.data(), offsets.data(), &part_max[at], &part_sum[at], &part_acc[at * d]);
     }
   }
-  // Merge each sequence's chunks in order.
-  for (int b = 0; b < num_seqs; ++b) {
-    const int c0 = first_chunk[b], c1 = first_chunk[b + 1];
-    if (c0 == c1) continue;
-    float* o = out + query_start[b] * out_stride;
+  // Merge each row's chunks in order.
+  for (int i = 0; i < num_rows; ++i) {
+    const int c0 = first_chunk[i], c1 = first_chunk[i + 1];
+    float* o = out + rows[i].out_row * out_stride;
     for (int h = 0; h < hq; ++h) {
       float m = -INFINITY;
       for (int c = c0; c < c1; ++c) m = part_max[c * hq + h] > m ? part_max[c * hq + h] : m;
@@ -234,10 +242,10 @@ void run(const float* q, int64_t q_stride, const float* k_new, int64_t k_stride,
         const float w = std::exp(part_max[c * hq + h] - m);
         total += w * part_sum[c * hq + h];
         const float* acc = &part_acc[(static_cast<size_t>(c) * hq + h) * d];
-        for (int i = 0; i < d; ++i) oh[i] += w * acc[i];
+        for (int j = 0; j < d; ++j) oh[j] += w * acc[j];
       }
       const float inv = 1.f / total;
-      for (int i = 0; i < d; ++i) oh[i] *= inv;
+      for (int j = 0; j < d; ++j) oh[j] *= inv;
     }
   }
 }
@@ -245,26 +253,27 @@ void run(const float* q, int64_t q_stride, const float* k_new, int64_t k_stride,
 }  // namespace
 
 
-// cache_dtype: 0 float32, 1 bfloat16 (stored as uint16_t bits), 2 float16. Returns 0, or -1 when a size is beyond this kernel's buffers.
-extern "C" int kvflow_paged_decode_attention(
+// cache_dtype: 0 float32, 1 bfloat16 (stored as uint16_t bits), 2 float16. all_rows: attend for every
+// query row, not only one-token queries. Returns 0, or -1 for head counts that do not group.
+extern "C" int kvflow_paged_attention(
     const float* q, int64_t q_stride, const float* k_new, int64_t k_stride, const float* v_new,
     int64_t v_stride, void* k_cache, void* v_cache, int cache_dtype, const int64_t* slots, int num_tokens,
     const int32_t* query_start, const int32_t* seq_lens, const int32_t* tables, int64_t table_stride,
     int num_seqs, float* out, int64_t out_stride, int num_heads, int num_kv_heads, int head_dim,
-    int block_size, float scale, int num_threads) {
+    int block_size, float scale, int all_rows, int num_threads) {
   if (num_heads % num_kv_heads) return -1;
   const Shape s{num_kv_heads, head_dim, block_size, num_heads / num_kv_heads, table_stride, scale};
   if (cache_dtype == 0)
     run(q, q_stride, k_new, k_stride, v_new, v_stride, static_cast<float*>(k_cache),
         static_cast<float*>(v_cache), slots, num_tokens, query_start, seq_lens, tables, num_seqs, out,
-        out_stride, s, num_threads);
+        out_stride, s, all_rows, num_threads);
   else if (cache_dtype == 1)
     run(q, q_stride, k_new, k_stride, v_new, v_stride, static_cast<uint16_t*>(k_cache),
         static_cast<uint16_t*>(v_cache), slots, num_tokens, query_start, seq_lens, tables, num_seqs, out,
-        out_stride, s, num_threads);
+        out_stride, s, all_rows, num_threads);
   else
     run(q, q_stride, k_new, k_stride, v_new, v_stride, static_cast<_Float16*>(k_cache),
         static_cast<_Float16*>(v_cache), slots, num_tokens, query_start, seq_lens, tables, num_seqs, out,
-        out_stride, s, num_threads);
+        out_stride, s, all_rows, num_threads);
   return 0;
 }
