@@ -89,6 +89,8 @@ def build_payload(endpoint: str, model: str, prompt: str | list[dict[str, str]],
         "stream": True,
         "stream_options": {"include_usage": True},
         "ignore_eos": True,  # not OpenAI's, but vLLM/llama.cpp/kvflow honour it: fixed output lengths
+        # llama-cpp-python's server ignores ignore_eos but honours min_tokens (as vLLM and kvflow do).
+        "min_tokens": max_tokens,
     }
     if endpoint == "chat":
         payload["messages"] = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]

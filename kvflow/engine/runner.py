@@ -20,7 +20,6 @@ from kvflow.engine.kv_cache_alloc import (
     num_blocks_for,
 )
 from kvflow.layers.attention.metadata import AttentionMetadata
-from kvflow.layers.linear import cpu_has_amx
 from kvflow.loader.model_loader import DTYPES, LoadedModel
 
 log = logging.getLogger("kvflow")
@@ -48,9 +47,9 @@ def choose_backend(device: torch.device, name: str = "auto", exact: bool = False
     if name not in backends:
         raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(backends)}")
     if name == "sdpa":
-        # The fast mode's prefill attention runs in bf16 where AMX makes that 2x faster than float32.
-        fast_prefill = not exact and device.type == "cpu" and cpu_has_amx()
-        return SDPABackend(exact=exact, prefill_dtype=torch.bfloat16 if fast_prefill else None)
+        # Prefill attention stays float32 even in the fast mode: bf16 (2x faster on AMX) moved SmolLM2's
+        # answer to "What is the capital of France?" off "The capital of France is Paris." (a near tie).
+        return SDPABackend(exact=exact)
     return backends[name]()
 
 

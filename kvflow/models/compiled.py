@@ -18,7 +18,6 @@ import shutil
 import time
 
 import torch
-import torch._inductor.config as inductor_config
 
 from kvflow.layers.attention.metadata import AttentionMetadata
 
@@ -48,6 +47,8 @@ def compiler_available() -> bool:
 
 def compile_model(model: torch.nn.Module) -> None:
     """Swap in a compiled hidden-states pass; the eager one stays for anything compile cannot take."""
+    import torch._inductor.config as inductor_config  # here, not at the top: it imports triton
+
     model.requires_grad_(False)  # inference only: lets Inductor skip building a backward graph
     # The generated wrapper checks every input's sizes and strides on each call (600 checks a step for
     # this model); ours are parameters and fresh activations whose layout never changes.
