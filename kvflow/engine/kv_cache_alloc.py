@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 
+import numpy as np
 import torch
 
 from kvflow.models.arch import ArchConfig
@@ -41,7 +44,13 @@ def allocate_kv_cache(
     arch: ArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
-    return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(arch.num_layers)
-    ]
+    zeros = _untouched_zeros if device.type == "cpu" else functools.partial(torch.zeros, device=device)
+    return [(zeros(shape, dtype=dtype), zeros(shape, dtype=dtype)) for _ in range(arch.num_layers)]
+
+
+def _untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros whose pages the OS maps on first write: a large CPU cache costs resident memory only as
+    sequences fill it (torch.zeros writes every byte up front). numpy's zeros is calloc, which for large
+    sizes maps fresh zero pages."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -142,11 +144,22 @@ def load_model(config: ModelConfig) -> LoadedModel:
     if compiled.should_compile(config.compile, device, config.dtype):
         compiled.compile_model(model)
         compiled.warm_up(model, device)
+    return_freed_memory()
     # The fast mode's cache holds K/V in float16 (llama.cpp's default too): half the bytes a decode step
     # reads at depth; float16 keeps 3 more mantissa bits than bfloat16, and K/V values sit well in range.
     kv_dtype = torch.float16 if fast_cpu else dtype
     invariant = device.type == "cpu" and config.dtype == "float32"
     return LoadedModel(model, tokenizer, arch, resolved, dtype, device, max_len, quantization, kv_dtype, invariant)
+
+
+def return_freed_memory() -> None:
+    """Hand the loader's freed staging buffers back to the OS. Packing and dequantizing allocate a few
+    hundred MB of temporaries; glibc keeps freed heap memory resident unless asked (malloc_trim)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 @contextlib.contextmanager
