@@ -22,6 +22,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from results_file import publish
+
 HERE = Path(__file__).resolve().parent
 LLAMACPP_VENV = Path(os.environ.get("LLAMACPP_VENV", HERE.parent / ".venv-llamacpp"))
 
@@ -207,11 +209,7 @@ def main() -> None:
                          f"{b['output_throughput'] / a['output_throughput']:.2f}, p99 TTFT ratio "
                          f"{b['ttft_ms']['p99'] / a['ttft_ms']['p99']:.2f}.")
         lines.append("")
-    text = "\n".join(lines)
-    print(text)
-    if args.record:
-        with (HERE / "RESULTS.md").open("a") as f:
-            f.write(text + "\n")
+    publish("\n".join(lines), args.record)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,81 @@
+"""pp512 of kvflow (default fast mode) against transformers in bf16 and float32 on the same GGUF weights.
+
+Both run the same 512 random tokens through one forward pass (no generation), same thread count, in one
+process, alternating, and report the median of the repetitions.
+
+    python benchmarks/prefill_vs_transformers.py [--threads 2] [--tokens 512] [--reps 5] [--record]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from results_file import publish
+
+
+def median_seconds(fn, reps: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from transformers import AutoModelForCausalLM
+
+    from kvflow.config import ModelConfig
+    from kvflow.layers.attention.metadata import AttentionMetadata
+    from kvflow.loader.model_loader import load_model
+
+    ours = load_model(ModelConfig(max_model_len=args.tokens + 16, threads=args.threads))
+    gguf = ours.resolved.path
+    ids = torch.randint(100, 20000, (args.tokens,), generator=torch.Generator().manual_seed(0))
+    meta = AttentionMetadata.for_prompts([args.tokens])
+
+    def kvflow_pass() -> None:
+        with torch.inference_mode():
+            hidden = ours.model(ids, torch.arange(args.tokens), meta)
+            ours.model.compute_logits(hidden[-1:])
+
+    rows = [("kvflow (default: packed Q4_1, AMX prefill, compiled)", median_seconds(kvflow_pass, args.reps))]
+    for dtype in (torch.bfloat16, torch.float32):
+        hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype).eval()
+
+        def hf_pass(model=hf) -> None:
+            with torch.inference_mode():
+                model(ids[None], logits_to_keep=1)
+
+        rows.append((f"transformers ({str(dtype).split('.')[-1]})", median_seconds(hf_pass, args.reps)))
+        del hf
+    base = {name: args.tokens / s for name, s in rows}
+    hf_bf16 = base["transformers (bfloat16)"]
+    lines = [
+        f"### pp{args.tokens} against transformers ({time.strftime('%Y-%m-%d %H:%M')}, {args.threads} threads)",
+        "",
+        f"`python benchmarks/prefill_vs_transformers.py --threads {args.threads}`, file {gguf.name}, one forward "
+        f"pass of {args.tokens} tokens, median of {args.reps}.",
+        "",
+        "| engine | tokens/s | / transformers bf16 |",
+        "|---|---|---|",
+        *[f"| {name} | {tps:,.0f} | {tps / hf_bf16:.2f} |" for name, tps in base.items()],
+        "",
+    ]
+    publish("\n".join(lines), args.record)
+
+
+if __name__ == "__main__":
+    main()
