@@ -46,11 +46,9 @@ def choose_backend(device: torch.device, name: str = "auto", exact: bool = False
         name = "triton" if device.type == "cuda" and triton_available() else "sdpa"
     if name not in backends:
         raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(backends)}")
-    if name == "sdpa":
-        # Prefill attention stays float32 even in the fast mode: bf16 (2x faster on AMX) moved SmolLM2's
-        # answer to "What is the capital of France?" off "The capital of France is Paris." (a near tie).
-        return SDPABackend(exact=exact)
-    return backends[name]()
+    # Prefill attention stays float32 even in the fast mode: bf16 (2x faster on AMX) moved SmolLM2's
+    # answer to "What is the capital of France?" off "The capital of France is Paris." (a near tie).
+    return SDPABackend(exact=exact) if name == "sdpa" else backends[name]()
 
 
 class ModelRunner:

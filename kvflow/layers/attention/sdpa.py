@@ -14,9 +14,8 @@ from kvflow.layers.attention import reference
 from kvflow.layers.attention.metadata import AttentionMetadata
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask=None, causal=False,
-          compute_dtype: torch.dtype | None = None):
-    """q [Lq, Hq, D], k/v [Lk, Hkv, D] -> [Lq, Hq, D], computed in compute_dtype (default: q's)."""
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask=None, causal=False):
+    """q [Lq, Hq, D], k/v [Lk, Hkv, D] -> [Lq, Hq, D]."""
     hq, hkv = q.shape[1], k.shape[1]
     if q.shape[0] == 1 and mask is None:
         return _single_query(q, k, v, scale)
@@ -24,11 +23,10 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask=
         # PyTorch's fused CPU kernel (flash attention) refuses enable_gqa and falls back to the slow math
         # path; repeating the few KV heads costs far less.
         k, v = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1)
-    dtype = compute_dtype or q.dtype
     # 4-D [1, H, L, D]: with 3-D inputs PyTorch takes the unfused math path on CPU, 4x slower.
-    qt, kt, vt = (t.to(dtype).transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=causal, scale=scale)
-    return out[0].transpose(0, 1).to(q.dtype)
+    return out[0].transpose(0, 1)
 
 
 def _single_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -70,14 +68,12 @@ class SDPABackend:
     """exact=True (the batch-invariant mode): every query row, prefill rows too, goes through the C++
     kernel, which computes a row from its own query and the cached K/V alone, in fixed chunks; a
     prompt's result then does not depend on how it was chunked, batched or cached. Otherwise prefill
-    runs through PyTorch's flash kernel, which is faster but rounds by the shape of the chunk, in
-    prefill_dtype when given (bf16 in the fast mode on AMX machines)."""
+    runs through PyTorch's flash kernel, which is faster but rounds by the shape of the chunk."""
 
     name = "sdpa"
 
-    def __init__(self, exact: bool = False, prefill_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, exact: bool = False) -> None:
         self.exact = exact
-        self.prefill_dtype = prefill_dtype  # None: q's dtype
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.slot_mapping is None:  # a one-shot forward (scoring, parity checks): leave the cache alone
@@ -107,12 +103,12 @@ class SDPABackend:
                     # As stored: a later chunk reads these rounded values back, so a prompt's result
                     # must not depend on whether it was split.
                     kb, vb = kb.to(k_cache.dtype).to(q.dtype), vb.to(k_cache.dtype).to(q.dtype)
-                out[start:end] = _sdpa(q[start:end], kb, vb, scale, causal=lq > 1, compute_dtype=self.prefill_dtype)
+                out[start:end] = _sdpa(q[start:end], kb, vb, scale, causal=lq > 1)
             else:
                 kb, vb = _context(k_cache, v_cache, meta, b, lk)
                 kb, vb = kb.to(q.dtype), vb.to(q.dtype)  # a cache may be stored narrower (kv_cache_dtype)
                 mask = None if lq == 1 else _offset_causal_mask(lq, lk, q.device)
-                out[start:end] = _sdpa(q[start:end], kb, vb, scale, mask=mask, compute_dtype=self.prefill_dtype)
+                out[start:end] = _sdpa(q[start:end], kb, vb, scale, mask=mask)
             start = end
         return out
 
