@@ -32,7 +32,8 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def _compiler() -> str | None:
+def compiler() -> str | None:
+    """The C++ compiler on PATH ($CXX, default g++), or None. torch.compile's CPU code needs one too."""
     return shutil.which(os.environ.get("CXX", "g++"))
 
 
@@ -44,18 +45,18 @@ def _cpu_name() -> str:
         return platform.processor()
 
 
-def _library_path(compiler: str) -> Path:
+def _library_path(cxx: str) -> Path:
     src = Path(__file__).parent / "csrc"
     digest = hashlib.sha256()
     for name in SOURCES:
         digest.update((src / name).read_bytes())
     # -march=native code is only right for this CPU and compiler.
-    digest.update(" ".join((compiler, *FLAGS, _cpu_name())).encode())
+    digest.update(" ".join((cxx, *FLAGS, _cpu_name())).encode())
     return cache_dir() / f"libkvflow_cpu-{digest.hexdigest()[:16]}.so"
 
 
-def build(compiler: str) -> Path:
-    target = _library_path(compiler)
+def build(cxx: str) -> Path:
+    target = _library_path(cxx)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -64,7 +65,7 @@ def build(compiler: str) -> Path:
     with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
         partial = Path(tmp.name)
     try:
-        subprocess.run([compiler, *FLAGS, *sources, "-o", str(partial)], check=True, capture_output=True, text=True)
+        subprocess.run([cxx, *FLAGS, *sources, "-o", str(partial)], check=True, capture_output=True, text=True)
         partial.replace(target)
     finally:
         partial.unlink(missing_ok=True)
@@ -77,14 +78,14 @@ def load() -> ctypes.CDLL | None:
     """The kernel library, or None where it cannot be built (no compiler, KVFLOW_CPU_KERNELS=0)."""
     if os.environ.get("KVFLOW_CPU_KERNELS", "1") == "0":
         return None
-    compiler = _compiler()
-    if compiler is None:
+    cxx = compiler()
+    if cxx is None:
         log.warning("no C++ compiler found: CPU attention runs through PyTorch ops (slower decode)")
         return None
     import torch  # noqa: F401 - PyTorch's libgomp must be loaded first, so the library shares it
 
     try:
-        return ctypes.CDLL(str(build(compiler)))
+        return ctypes.CDLL(str(build(cxx)))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or str(exc)
         log.warning("CPU kernels failed to build, using PyTorch ops instead: %s", detail.strip()[:500])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -24,15 +25,13 @@ def _function():
     return fn
 
 
-_fn = None
-_loaded = False
+@functools.cache
+def _kernel():
+    return _function()
 
 
 def available() -> bool:
-    global _fn, _loaded
-    if not _loaded:
-        _fn, _loaded = _function(), True
-    return _fn is not None
+    return _kernel() is not None
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
@@ -40,10 +39,7 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
     ok_rows = all(t.dtype == torch.float32 and t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (q, k, v))
     return (
         q.device.type == "cpu" and ok_rows and k_cache.dtype in _CACHE_DTYPES and k_cache.is_contiguous()
-        and q.shape[1] % k.shape[1] == 0
-        and meta.slot_mapping.dtype == torch.int64 and meta.seq_lens.dtype == torch.int32
-        and meta.query_start_loc.dtype == torch.int32 and meta.block_tables.dtype == torch.int32
-        and available()
+        and q.shape[1] % k.shape[1] == 0 and _step_args(meta) is not None and available()
     )
 
 
@@ -58,7 +54,9 @@ def store_and_attend(
     if not available():
         raise RuntimeError("the C++ CPU kernels are not available (no compiler, or KVFLOW_CPU_KERNELS=0)")
     step = _step_args(meta)
-    rc = _fn(
+    if step is None:
+        raise ValueError("attention metadata with index dtypes the kernel does not take (see supports)")
+    rc = _kernel()(
         q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
         k_cache.data_ptr(), v_cache.data_ptr(), _CACHE_DTYPES[k_cache.dtype], *step, out.data_ptr(), out.stride(0),
         q.shape[1], k.shape[1], q.shape[2], k_cache.shape[1], scale, int(all_rows), torch.get_num_threads(),
@@ -67,14 +65,20 @@ def store_and_attend(
         raise RuntimeError("decode attention kernel refused its input shapes")
 
 
-def _step_args(meta: AttentionMetadata) -> tuple:
-    """The metadata's share of the kernel's arguments: the same for every layer of a step, built once."""
+def _step_args(meta: AttentionMetadata) -> tuple | None:
+    """The metadata's share of the kernel's arguments, the same for every layer of a step: built (and its
+    index dtypes checked) once per step, then kept on the metadata. None when the dtypes do not fit."""
     cached = getattr(meta, "_cpu_kernel_args", None)
     if cached is None:
-        tables = meta.block_tables.contiguous()
-        slots = meta.slot_mapping
-        # The tensors ride along so the addresses stay valid while the metadata lives.
-        cached = (slots.data_ptr(), slots.shape[0], meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),
-                  tables.data_ptr(), tables.stride(0), meta.num_seqs), tables
+        fits = (meta.slot_mapping.dtype == torch.int64 and meta.seq_lens.dtype == torch.int32
+                and meta.query_start_loc.dtype == torch.int32 and meta.block_tables.dtype == torch.int32)
+        if not fits:
+            cached = (None, None)
+        else:
+            tables = meta.block_tables.contiguous()
+            slots = meta.slot_mapping
+            # The tensors ride along so the addresses stay valid while the metadata lives.
+            cached = (slots.data_ptr(), slots.shape[0], meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),
+                      tables.data_ptr(), tables.stride(0), meta.num_seqs), tables
         meta._cpu_kernel_args = cached
     return cached[0]

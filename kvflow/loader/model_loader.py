@@ -141,15 +141,15 @@ def load_model(config: ModelConfig) -> LoadedModel:
         added = enable_amx_prefill(model)
         log.info("AMX prefill: bf16 copies of the weights for many-row matmuls (+%.0f MiB)", added / 2**20)
     log.info("loaded %s (%s) on %s in %s", resolved.name, arch.architecture, device, str(dtype).split(".")[-1])
-    if compiled.should_compile(config.compile, device, config.dtype):
+    if compiled.should_compile(config.compile, fast_cpu):
         compiled.compile_model(model)
         compiled.warm_up(model, device)
     return_freed_memory()
     # The fast mode's cache holds K/V in float16 (llama.cpp's default too): half the bytes a decode step
     # reads at depth; float16 keeps 3 more mantissa bits than bfloat16, and K/V values sit well in range.
     kv_dtype = torch.float16 if fast_cpu else dtype
-    invariant = device.type == "cpu" and config.dtype == "float32"
-    return LoadedModel(model, tokenizer, arch, resolved, dtype, device, max_len, quantization, kv_dtype, invariant)
+    exact_cpu = device.type == "cpu" and config.dtype == "float32"
+    return LoadedModel(model, tokenizer, arch, resolved, dtype, device, max_len, quantization, kv_dtype, exact_cpu)
 
 
 def return_freed_memory() -> None:

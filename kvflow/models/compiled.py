@@ -13,12 +13,11 @@ prefill-sized chunks), and Inductor's on-disk cache makes later starts of the sa
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import time
 
 import torch
 
+from kvflow.kernels import build
 from kvflow.layers.attention.metadata import AttentionMetadata
 
 log = logging.getLogger("kvflow")
@@ -28,21 +27,21 @@ COMPILE_MODES = ("auto", "on", "off")
 WARMUP_TOKEN_COUNTS = (1, 2, 64)
 
 
-def should_compile(mode: str, device: torch.device, dtype_option: str) -> bool:
-    """auto: compile on CPU in the default fast mode. dtype float32 is the bit-exact reference mode and
-    stays eager unless compile is forced on: compiled reductions may round differently from eager."""
+def should_compile(mode: str, fast_cpu: bool) -> bool:
+    """auto: compile in the default fast mode on CPU (fast_cpu). Everything else, dtype float32's exact
+    mode above all, stays eager unless compile is forced on: compiled reductions may round differently."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
     if mode == "off":
         return False
     if mode == "on":
         return True
-    return device.type == "cpu" and dtype_option == "auto" and compiler_available()
+    return fast_cpu and compiler_available()
 
 
 def compiler_available() -> bool:
     """Inductor's CPU code needs a C++ compiler; without one we run eager rather than fail."""
-    return shutil.which(os.environ.get("CXX", "g++")) is not None
+    return build.compiler() is not None
 
 
 def compile_model(model: torch.nn.Module) -> None:

@@ -24,7 +24,8 @@ from kvflow.models.arch import ArchConfig
 class Attention(nn.Module):
     def __init__(self, arch: ArchConfig, layer_index: int) -> None:
         super().__init__()
-        self.layer_index = layer_index
+        # Which layer this is, as a 0-d tensor: the compiled graph passes it to the attention op (see
+        # layers/attention/forward_context).
         self.register_buffer("layer_id", torch.tensor(layer_index), persistent=False)
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size = self.num_heads * self.head_dim

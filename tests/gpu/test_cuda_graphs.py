@@ -67,7 +67,6 @@ def test_backend_without_graph_support_is_refused():
         CudaGraphRunner(torch.nn.Identity(), ReferenceBackend(), 4, 4, "cpu")
 
 
-# Needs a GPU: CUDA graphs exist only on CUDA devices.
 # Graph capture exists only on CUDA; the padded static batch is checked on CPU above.
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

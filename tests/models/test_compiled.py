@@ -43,9 +43,7 @@ def test_compiled_logits_match_eager(fast, lengths):
     """Each graph (1 token, a few rows, many rows) against eager. Differences come from fused float32
     arithmetic rounding differently, then the packed layers rounding activations to bfloat16; they stay
     far below the gaps that decide greedy tokens in all but near ties."""
-    tok = fast.tokenizer
-    seqs = [tok.encode(PROMPTS[i])[:n] if len(tok.encode(PROMPTS[i])) >= n else
-            (tok.encode(PROMPTS[i]) * n)[:n] for i, n in enumerate(lengths)]
+    seqs = [fast.tokenizer.encode(" ".join([PROMPTS[i]] * n))[:n] for i, n in enumerate(lengths)]
     eager = forward_logits(fast.model, seqs, compiled=False)
     compiled = forward_logits(fast.model, seqs, compiled=True)
     # Logits here are bfloat16 values (an ulp is 0.0625 to 0.125 at these magnitudes, ~15) and the

@@ -21,7 +21,7 @@ from kvflow.layers.attention.metadata import AttentionMetadata
 @dataclass
 class ForwardContext:
     meta: AttentionMetadata
-    layers: Sequence  # the model's attention layers, indexed by Attention.layer_index
+    layers: Sequence  # the model's attention layers, indexed by Attention.layer_id
 
 
 _current: ForwardContext | None = None
