@@ -45,6 +45,16 @@ def packed_loaded():
 
 
 @pytest.fixture(scope="session")
+def fast_loaded():
+    """The default model as the server loads it on CPU (dtype auto: the fast mode): packed weights, the
+    fused C++ step for few-row steps, bfloat16 AMX copies for prefill (compile is off in tests)."""
+    from kvflow.config import ModelConfig
+    from kvflow.loader.model_loader import load_model
+
+    return load_model(ModelConfig(device="cpu", max_model_len=4096))
+
+
+@pytest.fixture(scope="session")
 def hf_default(default_gguf):
     """transformers' own load of the same GGUF: the reference implementation."""
     from transformers import AutoModelForCausalLM

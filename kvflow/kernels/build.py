@@ -21,7 +21,8 @@ from pathlib import Path
 
 log = logging.getLogger("kvflow")
 
-SOURCES = ("paged_attention.cpp",)
+SOURCES = ("paged_attention.cpp", "packed_matmul.cpp", "decoder_step.cpp")
+HEADERS = ("kvflow_cpu.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
 
@@ -48,7 +49,7 @@ def _cpu_name() -> str:
 def _library_path(cxx: str) -> Path:
     src = Path(__file__).parent / "csrc"
     digest = hashlib.sha256()
-    for name in SOURCES:
+    for name in (*SOURCES, *HEADERS):
         digest.update((src / name).read_bytes())
     # -march=native code is only right for this CPU and compiler.
     digest.update(" ".join((cxx, *FLAGS, _cpu_name())).encode())

@@ -10,7 +10,7 @@ import torch
 from kvflow.kernels import build
 from kvflow.layers.attention.metadata import AttentionMetadata
 
-_CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _i64, _i32, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
 
 
@@ -38,8 +38,8 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
     """Shapes and dtypes the kernel takes: float32 q/k/v rows, a float32, bfloat16 or float16 CPU cache."""
     ok_rows = all(t.dtype == torch.float32 and t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (q, k, v))
     return (
-        q.device.type == "cpu" and ok_rows and k_cache.dtype in _CACHE_DTYPES and k_cache.is_contiguous()
-        and q.shape[1] % k.shape[1] == 0 and _step_args(meta) is not None and available()
+        q.device.type == "cpu" and ok_rows and k_cache.dtype in CACHE_DTYPES and k_cache.is_contiguous()
+        and q.shape[1] % k.shape[1] == 0 and step_args(meta) is not None and available()
     )
 
 
@@ -53,19 +53,19 @@ def store_and_attend(
     q [T, Hq, D], k/v [T, Hkv, D] (rows may be strided), out [T, Hq, D] float32 contiguous."""
     if not available():
         raise RuntimeError("the C++ CPU kernels are not available (no compiler, or KVFLOW_CPU_KERNELS=0)")
-    step = _step_args(meta)
+    step = step_args(meta)
     if step is None:
         raise ValueError("attention metadata with index dtypes the kernel does not take (see supports)")
     rc = _kernel()(
         q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-        k_cache.data_ptr(), v_cache.data_ptr(), _CACHE_DTYPES[k_cache.dtype], *step, out.data_ptr(), out.stride(0),
+        k_cache.data_ptr(), v_cache.data_ptr(), CACHE_DTYPES[k_cache.dtype], *step, out.data_ptr(), out.stride(0),
         q.shape[1], k.shape[1], q.shape[2], k_cache.shape[1], scale, int(all_rows), torch.get_num_threads(),
     )
     if rc != 0:
         raise RuntimeError("decode attention kernel refused its input shapes")
 
 
-def _step_args(meta: AttentionMetadata) -> tuple | None:
+def step_args(meta: AttentionMetadata) -> tuple | None:
     """The metadata's share of the kernel's arguments, the same for every layer of a step: built (and its
     index dtypes checked) once per step, then kept on the metadata. None when the dtypes do not fit."""
     cached = getattr(meta, "_cpu_kernel_args", None)

@@ -14,6 +14,7 @@ import torch
 
 from kvflow.config import ModelConfig
 from kvflow.errors import ModelLoadError
+from kvflow.kernels.decoder_step import FusedDecoderStep
 from kvflow.layers.linear import cpu_has_amx, enable_amx_prefill
 from kvflow.loader import gguf_file, hf_folder, quantized_loading
 from kvflow.loader.resolve import ResolvedModel, resolve_model
@@ -141,7 +142,12 @@ def load_model(config: ModelConfig) -> LoadedModel:
         added = enable_amx_prefill(model)
         log.info("AMX prefill: bf16 copies of the weights for many-row matmuls (+%.0f MiB)", added / 2**20)
     log.info("loaded %s (%s) on %s in %s", resolved.name, arch.architecture, device, str(dtype).split(".")[-1])
-    if compiled.should_compile(config.compile, fast_cpu):
+    if fast_cpu and quantization is not None:
+        model.fused_step = FusedDecoderStep.for_model(model)
+        if model.fused_step is not None:
+            log.info("decode steps (up to %d rows) run as one fused C++ call", model.fused_step.max_rows)
+    # Compiling pays where many small PyTorch ops make up a step; the fused step has none left to fuse.
+    if compiled.should_compile(config.compile, fast_cpu and getattr(model, "fused_step", None) is None):
         compiled.compile_model(model)
         compiled.warm_up(model, device)
     return_freed_memory()

@@ -14,8 +14,9 @@ Batch invariance: every packed layer uses the packed-integer kernel whatever the
 result for a row is bitwise independent of the other rows (and of the thread count), so greedy outputs do
 not depend on what else is in the batch or on the prefill chunk size. The dequantize + AMX path that
 QuantLinear takes above 32 rows rounds the weights to bfloat16 and is not even row-independent across row
-counts, so a prompt prefilled alone (few rows) and in a batch (many) would differ. The price: prefill
-runs at the kernel's ~0.11 ms per token per decoder layer here, about 2x the float32 model's matmuls.
+counts, so exact mode (dtype float32) keeps it off. The default fast mode turns it on for prefill speed,
+and runs steps of up to 16 rows as one fused C++ call (kernels/decoder_step); tests/engine/test_invariance
+checks that its greedy outputs hold across batches and chunk sizes all the same.
 """
 
 from __future__ import annotations
@@ -54,12 +55,13 @@ class PackedEmbedding(nn.Module):
 
 
 class ExactTopLogits(nn.Module):
-    """A packed output projection whose k best logits per row are recomputed in float32.
+    """A packed output projection whose best logits per row are recomputed in float64 from the exact rows.
 
-    The packed kernels round their output to bfloat16: a logit of 20 moves by up to 0.04, which swaps the
-    top two tokens of SmolLM2 about once in 50 steps. Recomputing the k candidates from the layer's rows
-    (exact with exact_rows=True) and the float32 hidden state gives the greedy choice and the head of the
-    distribution float32 accuracy, at the cost of reading k rows a token."""
+    The packed kernels approximate: PyTorch's int4 kernel rounds its output to bfloat16 (a logit of 20
+    moves by up to 0.04, which swaps SmolLM2's top two tokens about once in 50 steps); kvflow's own kernel
+    quantizes its input (a bound it states, `error_bound`). With a bound, every token whose logit is
+    within two bounds of the row's best is recomputed: the greedy choice is then the float model's. Without
+    one, the k best are."""
 
     def __init__(self, packed: QuantLinear, k: int = 16) -> None:
         super().__init__()
@@ -68,9 +70,17 @@ class ExactTopLogits(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.packed(hidden)
+        bound = self.packed.error_bound(hidden) if hasattr(self.packed, "error_bound") else None
+        if bound is not None:
+            near = logits >= logits.amax(-1, keepdim=True) - 2 * bound
+            rows, cols = near.nonzero(as_tuple=True)
+            if rows.numel() <= self.k * hidden.shape[0]:
+                exact = (self.packed.embedding(cols).double() * hidden[rows].double()).sum(-1)
+                logits[rows, cols] = exact.to(logits.dtype)
+                return logits
         top = logits.topk(self.k, dim=-1).indices
-        rows = self.packed.embedding(top)  # [T, k, in] float32
-        exact = (rows * hidden.float().unsqueeze(-2)).sum(-1)  # per row: independent of the batch
+        emb = self.packed.embedding(top)  # [T, k, in] float32
+        exact = (emb.double() * hidden.double().unsqueeze(-2)).sum(-1)  # per row: independent of the batch
         return logits.scatter(-1, top, exact.to(logits.dtype))
 
 

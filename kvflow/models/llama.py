@@ -7,6 +7,7 @@ AttentionMetadata; it returns hidden states, and compute_logits() projects only 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -19,6 +20,9 @@ from kvflow.layers.linear import Linear
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding, apply_rotary
 from kvflow.models.arch import ArchConfig
+
+if TYPE_CHECKING:
+    from kvflow.kernels.decoder_step import FusedDecoderStep
 
 
 class Attention(nn.Module):
@@ -108,8 +112,14 @@ class LlamaForCausalLM(nn.Module):
 
         # A torch.compile'd hidden_states, set by kvflow.models.compiled when compiling pays.
         self.compiled_hidden_states: Callable | None = None
+        # The C++ forward for few-row steps of a packed model (kvflow.kernels.decoder_step), set by the loader.
+        self.fused_step: FusedDecoderStep | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.fused_step is not None:
+            hidden = self.fused_step.forward(input_ids, positions, meta)
+            if hidden is not None:
+                return hidden
         with forward_context(meta, self.attention_layers):
             run = self.compiled_hidden_states or self.hidden_states
             return run(input_ids, positions)

@@ -3,6 +3,11 @@
 Run for four ways of holding the model: float32 weights and cache; packed Q4_1/Q8_0 weights
 (quantization="gguf") with a float32, a bfloat16 and a float16 cache.
 
+Not in the list: the default fast mode (dtype auto). It multiplies chunks of 32 rows or more by bfloat16
+copies of the weights on AMX, and runs steps of up to 16 rows through the fused C++ step: a token's
+arithmetic depends on how many rows its step had, and greedy outputs did differ with the batch (one of
+16 prompts, at its 21st token). Exact mode (dtype float32) is the mode that guarantees invariance.
+
 Not in the list: float32 dense weights with a 16-bit cache. PyTorch's float32 matmul rounds a row
 differently depending on how many rows the call has (M <= 3 differs from M = 64 for 960x576), and
 rounding K/V to 16 bits turns those last-bit differences into 16-bit-sized ones, which flipped a

@@ -26,8 +26,9 @@ def fast():
 
 
 def forward_logits(model, token_lists: list[list[int]], compiled: bool) -> torch.Tensor:
-    saved = model.compiled_hidden_states
+    saved, fused = model.compiled_hidden_states, model.fused_step
     model.compiled_hidden_states = saved if compiled else None
+    model.fused_step = None  # the PyTorch layers, compiled or not (tests/models/test_fused_step covers it)
     try:
         with torch.inference_mode():
             ids = torch.tensor([t for seq in token_lists for t in seq])
@@ -35,7 +36,7 @@ def forward_logits(model, token_lists: list[list[int]], compiled: bool) -> torch
             hidden = model(ids, positions, AttentionMetadata.for_prompts([len(s) for s in token_lists]))
             return model.compute_logits(hidden).float()
     finally:
-        model.compiled_hidden_states = saved
+        model.compiled_hidden_states, model.fused_step = saved, fused
 
 
 @pytest.mark.parametrize("lengths", [[1], [5], [3, 9, 40]], ids=["one token", "few rows", "prefill-sized"])

@@ -12,6 +12,8 @@
 #include <cstring>
 #include <vector>
 
+#include "kvflow_cpu.h"
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif

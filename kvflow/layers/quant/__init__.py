@@ -9,6 +9,7 @@ from kvflow.layers.quant.factory import build_quant_linear, gguf_linear
 from kvflow.layers.quant.int4_linear import Int4Linear
 from kvflow.layers.quant.int8_block_linear import Int8BlockLinear
 from kvflow.layers.quant.int8_linear import Int8Linear
+from kvflow.layers.quant.packed_linear import PackedLinear
 from kvflow.layers.quant.packing import BlockQuant, concat_rows, from_gguf, permute_rows, unpermute_rope_index
 from kvflow.layers.quant.quantize import quantize_weight
 
@@ -17,6 +18,7 @@ __all__ = [
     "Int4Linear",
     "Int8BlockLinear",
     "Int8Linear",
+    "PackedLinear",
     "QuantLinear",
     "build_quant_linear",
     "concat_rows",

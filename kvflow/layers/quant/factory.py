@@ -11,13 +11,28 @@ from kvflow.layers.quant.base import QuantLinear
 from kvflow.layers.quant.int4_linear import Int4Linear
 from kvflow.layers.quant.int8_block_linear import Int8BlockLinear
 from kvflow.layers.quant.int8_linear import Int8Linear
+from kvflow.layers.quant.packed_linear import PackedLinear
 from kvflow.layers.quant.packing import BlockQuant, concat_rows, from_gguf, permute_rows
 
+KERNELS = ("auto", "packed", "torch")
 
-def build_quant_linear(bq: BlockQuant, bias: torch.Tensor | None = None, exact_rows: bool = False) -> QuantLinear:
-    """4-bit -> Int4Linear; symmetric 8-bit per row -> Int8Linear; 8-bit per block (Q8_0) -> Int8BlockLinear.
 
-    exact_rows keeps float32 group scales so that `embedding()` matches the source exactly (tied embeddings)."""
+def build_quant_linear(
+    bq: BlockQuant, bias: torch.Tensor | None = None, exact_rows: bool = False, kernel: str = "auto"
+) -> QuantLinear:
+    """Groups of 32 with float16 scales (GGUF Q4_0 / Q4_1 / Q8_0) -> PackedLinear where its kernel runs
+    (kernel "auto" or "packed"); otherwise, on PyTorch's kernels ("torch"): 4-bit -> Int4Linear; symmetric
+    8-bit per row -> Int8Linear; 8-bit per block -> Int8BlockLinear.
+
+    exact_rows keeps float32 group scales so that `embedding()` matches the source exactly (tied embeddings);
+    PackedLinear is exact without it."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel != "torch" and PackedLinear.can_build(bq):
+        return PackedLinear(bq, bias)
+    if kernel == "packed":
+        raise ValueError("the packed kernel cannot take these codes here (needs AVX512-BF16, groups of 32 and "
+                         "float16-exact scales)")
     n, k = bq.shape
     if bq.bits == 4:
         return Int4Linear(bq, bias, exact_rows=exact_rows)

@@ -1,0 +1,165 @@
+"""Python side of the packed-weight matmul (csrc/packed_matmul.cpp): the byte layout and the call.
+
+`pack()` turns group-wise affine codes (`BlockQuant`, from GGUF Q4_0 / Q4_1 / Q8_0 or our own int4/int8
+quantization) into the kernel's layout, described in csrc/kvflow_cpu.h; `matmul()` runs it. The codes
+and the float16 scales are kept exactly, so the kernel computes with the GGUF's own weights; the only
+rounding it adds is the inputs' quantization to 16-bit integers per block of 32 (2^-16 of the block's
+largest input).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvflow.kernels import build
+
+if TYPE_CHECKING:
+    from kvflow.layers.quant.packing import BlockQuant
+
+GROUP = 32  # inputs per block (one scale and offset per block and column)
+COLUMNS = 16  # output columns side by side in one vector
+INPUT_STEPS = 32639  # inputs are quantized per block to integers within +-INPUT_STEPS (kMaxInt in the C++)
+
+
+class PackedWeightStruct(ctypes.Structure):
+    """Mirror of KvflowPackedWeight (csrc/kvflow_cpu.h)."""
+
+    _fields_ = [("data", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
+                ("bits", ctypes.c_int32), ("has_offset", ctypes.c_int32)]
+
+
+@dataclass
+class PackedWeight:
+    data: torch.Tensor  # uint8 [groups, blocks, chunk bytes]
+    n: int
+    k: int
+    bits: int
+    has_offset: bool
+    struct: PackedWeightStruct = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.struct = PackedWeightStruct(self.data.data_ptr(), self.n, self.k, self.bits, int(self.has_offset))
+
+    @property
+    def code_bytes(self) -> int:
+        return GROUP * COLUMNS * self.bits // 8
+
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def _f16_exact(t: torch.Tensor) -> bool:
+    return bool(torch.equal(t.half().float(), t)) and bool(torch.isfinite(t.half()).all())
+
+
+def can_pack(bq: BlockQuant) -> bool:
+    """Whether `pack` keeps these codes exactly: groups of 32, scales and offsets exact in float16."""
+    if bq.group_size != GROUP or bq.q.shape[1] % GROUP or bq.bits not in (4, 8):
+        return False
+    return _f16_exact(bq.scale) and _f16_exact(bq.offset)
+
+
+def pack(bq: BlockQuant) -> PackedWeight:
+    """The kernel's layout for these codes; raises ValueError where `can_pack` is false."""
+    if not can_pack(bq):
+        raise ValueError("packed matmul needs groups of 32 inputs and float16-exact scales and offsets")
+    n, k = bq.shape
+    groups, blocks = -(-n // COLUMNS), k // GROUP
+    pad = groups * COLUMNS - n
+    q, scale, offset = bq.q, bq.scale, bq.offset
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad, k)])
+        scale = torch.cat([scale, scale.new_zeros(pad, blocks)])
+        offset = torch.cat([offset, offset.new_zeros(pad, blocks)])
+    if bq.bits == 4:
+        # input k = 8 row + 4 half + t -> byte (row, column, t): half 0 in the low nibble, 1 in the high
+        q6 = q.view(groups, COLUMNS, blocks, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)
+        codes = (q6[:, :, :, 0] | (q6[:, :, :, 1] << 4)).reshape(groups, blocks, 256)
+    else:  # input k = 4 row + t -> byte (row, column, t)
+        codes = q.view(groups, COLUMNS, blocks, 8, 4).permute(0, 2, 3, 1, 4).reshape(groups, blocks, 512)
+    has_offset = bool(offset.any())
+
+    def per_block(t: torch.Tensor) -> torch.Tensor:  # [n, blocks] float -> [groups, blocks, 32 bytes]
+        return t.half().view(groups, COLUMNS, blocks).permute(0, 2, 1).contiguous().view(torch.uint8)
+
+    parts = [codes, per_block(scale)] + ([per_block(offset)] if has_offset else [])
+    data = torch.cat(parts, dim=-1).contiguous()
+    return PackedWeight(data, n, k, bq.bits, has_offset)
+
+
+def codes(pw: PackedWeight, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The stored weights as (q float32 [R, k], scale, offset float32 [R, k // 32]) for output rows
+    `rows` (default all): w = scale * q + offset."""
+    groups, blocks, _ = pw.data.shape
+    rows = torch.arange(pw.n) if rows is None else rows.reshape(-1)
+    chunk = pw.data[rows // COLUMNS]  # [R, blocks, bytes]
+    col = rows % COLUMNS
+    picked = torch.arange(len(rows))
+    code = chunk[..., : pw.code_bytes]
+    if pw.bits == 4:
+        mine = code.view(-1, blocks, 4, COLUMNS, 4)[picked, :, :, col]  # [R, blocks, row, t]
+        q = torch.stack([mine & 0x0F, mine >> 4], dim=3).float()  # [R, blocks, row, half, t]
+    else:
+        q = code.view(-1, blocks, 8, COLUMNS, 4)[picked, :, :, col].float()  # [R, blocks, row, t]
+    q = q.reshape(len(rows), pw.k)
+
+    def per_block(start: int) -> torch.Tensor:
+        raw = chunk[..., start : start + 32].contiguous().view(torch.float16)  # [R, blocks, 16]
+        return raw[picked, :, col].float()
+
+    scale = per_block(pw.code_bytes)
+    offset = per_block(pw.code_bytes + 32) if pw.has_offset else torch.zeros_like(scale)
+    return q, scale, offset
+
+
+def dequantize(pw: PackedWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 [R, k]: the weights the kernel multiplies by (one float32 rounding per weight)."""
+    q, scale, offset = codes(pw, rows)
+    w = q.view(q.shape[0], -1, GROUP) * scale.unsqueeze(-1) + offset.unsqueeze(-1)
+    return w.view(q.shape[0], pw.k)
+
+
+_i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+
+
+@functools.cache
+def _kernel():
+    lib = build.load()
+    if lib is None:
+        return None
+    fn = lib.kvflow_packed_matmul
+    fn.argtypes = [ctypes.POINTER(PackedWeightStruct), _ptr, _i64, _i32, _ptr, _i64, _i32]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernel runs here: a compiler, and a CPU with AVX512-VNNI (the build says -1 otherwise)."""
+    from kvflow.layers.quant.packing import BlockQuant
+
+    fn = _kernel()
+    if fn is None:
+        return False
+    probe = pack(BlockQuant(torch.zeros(16, 32, dtype=torch.uint8), torch.ones(16, 1), torch.zeros(16, 1), 32, 4))
+    x, y = torch.zeros(1, 32), torch.empty(1, 16)
+    return fn(ctypes.byref(probe.struct), x.data_ptr(), 32, 1, y.data_ptr(), 16, 1) == 0
+
+
+def matmul(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x float32 [M, k] (rows may be strided) -> float32 [M, n]."""
+    if x.dtype != torch.float32 or x.stride(-1) != 1 or x.dim() != 2 or x.shape[1] != pw.k:
+        raise ValueError(f"packed matmul takes float32 [M, {pw.k}] rows, got {x.dtype} {tuple(x.shape)}")
+    y = torch.empty(x.shape[0], pw.n) if out is None else out
+    if x.shape[0] == 0:
+        return y
+    rc = _kernel()(ctypes.byref(pw.struct), x.data_ptr(), x.stride(0), x.shape[0], y.data_ptr(), y.stride(0),
+                   torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError("the packed matmul kernel cannot run on this CPU (it needs AVX512-VNNI)")
+    return y

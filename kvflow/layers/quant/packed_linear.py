@@ -1,0 +1,92 @@
+"""4- and 8-bit group-wise linear on kvflow's own kernel (kernels/packed_matmul): GGUF Q4_0 / Q4_1 / Q8_0.
+
+Where it runs (a C++ compiler and AVX512-VNNI), it replaces Int4Linear and Int8BlockLinear: the codes
+and float16 scales are stored as the GGUF has them, so the weights it multiplies by are the file's own
+(no bfloat16 copy of the scales), and its float32 output is not rounded to bfloat16. The only rounding
+is the input's quantization to 16-bit integers per block of 32 inputs (2^-16 of the block's largest).
+It is also what the fused decoder step (kernels/decoder_step) reads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvflow.kernels import packed_matmul
+from kvflow.layers.quant.base import QuantLinear
+from kvflow.layers.quant.packing import BlockQuant
+
+
+class PackedLinear(QuantLinear):
+    tile_align = packed_matmul.COLUMNS
+
+    def __init__(self, bq: BlockQuant, bias: torch.Tensor | None = None) -> None:
+        n, k = bq.shape
+        super().__init__(k, n, bias)
+        self.packed = packed_matmul.pack(bq)
+        self._block_abs_sum: torch.Tensor | None = None  # for error_bound, computed on first use
+
+    @staticmethod
+    def can_build(bq: BlockQuant) -> bool:
+        return packed_matmul.available() and packed_matmul.can_pack(bq)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] > self.max_kernel_rows:
+            return super().forward(x)
+        x2 = x2.float().contiguous()
+        if torch.compiler.is_compiling():
+            y = torch.ops.kvflow.packed_matmul(x2, self.packed.data, self.out_features, self.packed.bits,
+                                               self.packed.has_offset)
+        else:
+            y = packed_matmul.matmul(x2, self.packed)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).reshape(*lead, self.out_features)
+
+    def kernel_mm(self, x: torch.Tensor) -> torch.Tensor:
+        return packed_matmul.matmul(x.float().contiguous(), self.packed)
+
+    def dequantize_t(self, start: int, stop: int) -> torch.Tensor:
+        rows = torch.arange(start, min(stop, self.out_features))
+        w = packed_matmul.dequantize(self.packed, rows).to(torch.bfloat16)
+        if stop > self.out_features:
+            w = torch.cat([w, w.new_zeros(stop - self.out_features, self.in_features)])
+        return w.t()
+
+    def dequantize(self) -> torch.Tensor:
+        return packed_matmul.dequantize(self.packed)
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the weight, float32 [*ids.shape, in]: exactly the GGUF's dequantized values."""
+        return packed_matmul.dequantize(self.packed, ids.reshape(-1)).view(*ids.shape, self.in_features)
+
+    def nbytes(self) -> int:
+        return self.packed.nbytes()
+
+    def error_bound(self, x: torch.Tensor) -> torch.Tensor:
+        """A bound on |y - x @ W^T| per row of x [T, in] (float32 [T, 1]): the kernel's only approximation
+        is the input's, at most half a step of max|x| / 32639 per block of 32, times that block's largest
+        sum of |w| over an output row; plus slack for float32 sums."""
+        if self._block_abs_sum is None:
+            sums = []
+            for start in range(0, self.out_features, 4096):  # bounded temporaries for a big vocabulary
+                rows = torch.arange(start, min(start + 4096, self.out_features))
+                w = packed_matmul.dequantize(self.packed, rows).abs()
+                sums.append(w.view(len(rows), -1, packed_matmul.GROUP).sum(-1).amax(0))
+            self._block_abs_sum = torch.stack(sums).amax(0)  # [blocks]
+        amax = x.float().view(x.shape[0], -1, packed_matmul.GROUP).abs().amax(-1)  # [T, blocks]
+        bound = amax @ self._block_abs_sum / (2 * packed_matmul.INPUT_STEPS)
+        return (bound * 1.01 + 1e-6 * x.float().abs().sum(-1) * self._block_abs_sum.max()).unsqueeze(-1)
+
+
+@torch.library.custom_op("kvflow::packed_matmul", mutates_args=())
+def _packed_matmul_op(x: torch.Tensor, data: torch.Tensor, n: int, bits: int, has_offset: bool) -> torch.Tensor:
+    # An op of its own so that torch.compile calls the kernel rather than tracing into ctypes.
+    pw = packed_matmul.PackedWeight(data, n, x.shape[1], bits, has_offset)
+    return packed_matmul.matmul(x, pw)
+
+
+@_packed_matmul_op.register_fake
+def _(x: torch.Tensor, data: torch.Tensor, n: int, bits: int, has_offset: bool) -> torch.Tensor:
+    return x.new_empty(x.shape[0], n)
