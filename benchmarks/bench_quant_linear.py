@@ -9,6 +9,7 @@ in microseconds, so a host whose speed drifts shifts all columns together. Colum
   i8 kern    _weight_int8pack_mm, per-channel int8 (gpt-fast int8; Q8_0 would need requantizing)
   q8 2xi4    Q8_0 exactly, as two int4 halves in one int4 kernel call (Int8BlockLinear.kernel_mm)
   i4 deq+mm  dequantize to bf16 and multiply through oneDNN (the prefill path, no cached copy)
+  kv Q4_1 / kv Q8_0   kvflow's own kernel (kernels/packed_matmul): VNNI below 16 rows, AMX int8 from 16
   Q4_1 auto / Q8_0 auto   the layers' forward with float32 in and out, path chosen by row count
 The int kernels' float32-activation path is a scalar loop (50-100x slower); the layers convert to bf16.
 """
@@ -22,6 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from kvflow.kernels import packed_matmul
 from kvflow.layers.quant import build_quant_linear, quantize_weight
 
 SHAPES = {  # name: (in, out)
@@ -48,8 +50,8 @@ def time_round_robin(fns: dict, reps: int) -> dict[str, float]:
 
 def cell(k: int, n: int, rows: int, reps: int) -> dict[str, float]:
     w = torch.randn(n, k) * 0.05
-    q41 = build_quant_linear(quantize_weight(w, "int4", 32))
-    q80 = build_quant_linear(quantize_weight(w, "int8", 32))
+    q41 = build_quant_linear(quantize_weight(w, "int4", 32), kernel="torch")
+    q80 = build_quant_linear(quantize_weight(w, "int8", 32), kernel="torch")
     i8 = build_quant_linear(quantize_weight(w, "int8"))
     wb = w.bfloat16()
     x = torch.randn(rows, k)
@@ -60,6 +62,12 @@ def cell(k: int, n: int, rows: int, reps: int) -> dict[str, float]:
         fns["i8 kern"] = lambda: i8.kernel_mm(xb)
         fns["q8 2xi4"] = lambda: q80.kernel_mm(xb)
     fns["i4 deq+mm"] = lambda: q41._tiled_mm(xb)
+    if packed_matmul.available():
+        for name, scheme in (("kv Q4_1", "int4"), ("kv Q8_0", "int8")):
+            bq = quantize_weight(w, scheme, 32)
+            bq.scale, bq.offset = bq.scale.half().float(), bq.offset.half().float()  # float16 scales, as GGUF
+            pw = packed_matmul.pack(bq)
+            fns[name] = lambda pw=pw: packed_matmul.matmul(x, pw)
     fns["Q4_1 auto"] = lambda: q41(x)
     fns["Q8_0 auto"] = lambda: q80(x)
     return time_round_robin(fns, reps if rows < 512 else max(3, reps // 3))
@@ -74,7 +82,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    cols = ["f32 dense", "bf16 dense", "i4 kern", "i8 kern", "q8 2xi4", "i4 deq+mm", "Q4_1 auto", "Q8_0 auto"]
+    cols = ["f32 dense", "bf16 dense", "i4 kern", "i8 kern", "q8 2xi4", "i4 deq+mm", "kv Q4_1", "kv Q8_0",
+            "Q4_1 auto", "Q8_0 auto"]
     print(f"threads={args.threads}, median microseconds, torch {torch.__version__}")
     print(f"| shape (in->out) | M | {' | '.join(cols)} |")
     print("|---|---|" + "---|" * len(cols))

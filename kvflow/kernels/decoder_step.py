@@ -3,7 +3,9 @@
 `FusedDecoderStep.for_model(model)` describes a Llama-family model whose projections are all
 PackedLinear to the C++ code once (weight pointers, norms, rotary tables); the model then hands it every
 step of at most `max_rows` rows. Steps it does not take (more rows, an unbound cache, index dtypes the
-kernel does not read) return None and run through the PyTorch layers.
+kernel does not read) return None and run through the PyTorch layers, whose prefill multiplies
+bfloat16 copies of the weights on AMX (oneDNN): at 64 rows and more that is faster than the packed
+kernel, even on AMX int8 tiles (benchmarks/bench_quant_linear.py).
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from kvflow.kernels import build, cpu_attention
 from kvflow.kernels.packed_matmul import PackedWeightStruct
 from kvflow.layers.attention.metadata import AttentionMetadata
 
-# Up to here a step's matmuls cost about what the packed kernel costs per row; beyond it, the PyTorch
-# path's AMX matmuls on bfloat16 copies of the weights win (prefill chunks, big batches).
+# The packed kernel's cost grows with the rows (VNNI below 16 rows, AMX int8 from 16); around here the PyTorch
+# path (oneDNN matmuls on bfloat16 copies of the weights) starts to win.
 DEFAULT_MAX_ROWS = 16
 
 _ptr, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float

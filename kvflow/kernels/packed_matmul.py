@@ -151,6 +151,13 @@ def available() -> bool:
     return fn(ctypes.byref(probe.struct), x.data_ptr(), 32, 1, y.data_ptr(), 16, 1) == 0
 
 
+@functools.cache
+def amx_available() -> bool:
+    """Whether many-row matmuls run on AMX int8 tiles here (bitwise the same results, several times faster)."""
+    lib = build.load()
+    return available() and bool(lib.kvflow_packed_matmul_uses_amx())
+
+
 def matmul(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
     """x float32 [M, k] (rows may be strided) -> float32 [M, n]."""
     if x.dtype != torch.float32 or x.stride(-1) != 1 or x.dim() != 2 or x.shape[1] != pw.k:

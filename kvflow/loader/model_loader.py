@@ -137,17 +137,18 @@ def load_model(config: ModelConfig) -> LoadedModel:
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"{resolved.path}: {exc}") from exc
     model.eval()
+    log.info("loaded %s (%s) on %s in %s", resolved.name, arch.architecture, device, str(dtype).split(".")[-1])
+    if fast_cpu and quantization is not None:
+        model.fused_step = FusedDecoderStep.for_model(model)
+    fused = getattr(model, "fused_step", None)
+    if fused is not None:
+        log.info("steps of up to %d rows run as one fused C++ call", fused.max_rows)
     if fast_cpu and cpu_has_amx():
         # Fast mode: prefill chunks and big batches in bf16 on AMX. dtype="float32" stays bit-stable.
         added = enable_amx_prefill(model)
         log.info("AMX prefill: bf16 copies of the weights for many-row matmuls (+%.0f MiB)", added / 2**20)
-    log.info("loaded %s (%s) on %s in %s", resolved.name, arch.architecture, device, str(dtype).split(".")[-1])
-    if fast_cpu and quantization is not None:
-        model.fused_step = FusedDecoderStep.for_model(model)
-        if model.fused_step is not None:
-            log.info("decode steps (up to %d rows) run as one fused C++ call", model.fused_step.max_rows)
     # Compiling pays where many small PyTorch ops make up a step; the fused step has none left to fuse.
-    if compiled.should_compile(config.compile, fast_cpu and getattr(model, "fused_step", None) is None):
+    if compiled.should_compile(config.compile, fast_cpu and fused is None):
         compiled.compile_model(model)
         compiled.warm_up(model, device)
     return_freed_memory()

@@ -10,6 +10,7 @@
 // by the column's weight scale times the block's input scale, and offset times input sum is added.
 // Work is split by output columns only, so each column's sum runs in the same order whatever the row
 // count or thread count: a row's result does not depend on the batch.
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -22,6 +23,11 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define KVFLOW_HAVE_VNNI 1
 #include <immintrin.h>
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define KVFLOW_HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #endif
 
 namespace {
@@ -173,25 +179,143 @@ void run_groups(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const R
   }
 }
 
+#ifdef KVFLOW_HAVE_AMX
+// Several rows: the same integer block sums from AMX tiles (TDPBSUD: signed input digits times unsigned
+// codes), so the result is bitwise the one the VNNI path gives; only the speed differs. A tile op
+// multiplies 16 rows by 16 columns over one block; the float epilogue is the VNNI path's, per row.
+// The epilogue (per block, row and 16 columns) bounds it: from about 64 rows oneDNN's bfloat16 matmul
+// on a dequantized copy is faster, so prefill-sized chunks do not come here in the default mode.
+constexpr int kAmxMinRows = 16;  // below this the VNNI path is faster (measured with 960x576 to 576x1536)
+
+bool amx_ready() {  // Linux grants a process the AMX tile state on request (5.16 and later)
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void configure_tiles() {
+  // tmm0, tmm1: digits h, l of 16 rows x one block (32 bytes); tmm2: one block of one column group's
+  // codes (8 rows of 4 inputs x 16 columns); tmm4, tmm5: int32 sums of h and l, 16 rows x 16 columns.
+  TileConfig c;
+  for (int t : {0, 1}) c.rows[t] = 16, c.colsb[t] = 32;
+  c.rows[2] = 8, c.colsb[2] = 64;
+  for (int t : {4, 5}) c.rows[t] = 16, c.colsb[t] = 64;
+  _tile_loadconfig(&c);
+}
+
+// 4-bit codes of one block -> 8 rows of 64 unsigned bytes (row 2r: low nibbles of row r, 2r + 1: high).
+inline void widen_codes(const uint8_t* src, uint8_t* dst) {
+  const __m512i low_nibble = _mm512_set1_epi8(0x0f);
+  for (int r = 0; r < 4; ++r) {
+    const __m512i v = _mm512_loadu_si512(src + 64 * r);
+    _mm512_store_si512(dst + 128 * r, _mm512_and_si512(v, low_nibble));
+    _mm512_store_si512(dst + 128 * r + 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibble));
+  }
+}
+
+// Column groups [g_lo, g_hi) for rows [0, m). Digit rows and their block scales and sums are padded to
+// a multiple of 16 rows. Per group and 16 rows, the 16 accumulators stay in registers over all blocks.
+void amx_groups(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, int m, float* y,
+                int64_t ys) {
+  configure_tiles();
+  const int64_t nb = w.k / kBlock;
+  const size_t chunk = chunk_bytes(w);
+  const size_t code_bytes = w.bits == 4 ? 256 : 512;
+  const bool has_offset = w.has_offset != 0;
+  thread_local std::vector<uint8_t> wide_store;  // widened 4-bit codes of one group, 64-byte aligned below
+  wide_store.resize(static_cast<size_t>(nb) * 512 + 64);
+  uint8_t* wide = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(wide_store.data()) + 63) & ~uintptr_t{63});
+  alignas(64) int32_t sum_hi[256], sum_lo[256];
+  for (int64_t g = g_lo; g < g_hi; ++g) {
+    const uint8_t* group = w.data + static_cast<size_t>(g) * nb * chunk;
+    if (w.bits == 4)
+      for (int64_t b = 0; b < nb; ++b) widen_codes(group + b * chunk, wide + b * 512);
+    const int64_t left = w.n - g * 16;
+    const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+    for (int r0 = 0; r0 < m; r0 += 16) {
+      __m512 acc[16];
+      for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* at = group + b * chunk;
+        _tile_loadd(2, w.bits == 4 ? wide + b * 512 : at, 64);
+        _tile_loadd(0, rows.hi + r0 * rows.stride + b * kBlock, rows.stride);
+        _tile_loadd(1, rows.lo + r0 * rows.stride + b * kBlock, rows.stride);
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_dpbsud(4, 0, 2);
+        _tile_dpbsud(5, 1, 2);
+        _tile_stored(4, sum_hi, 64);
+        _tile_stored(5, sum_lo, 64);
+        const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + code_bytes)));
+        const __m512 offset = has_offset
+                                  ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + code_bytes + 32)))
+                                  : _mm512_setzero_ps();
+        const float* row_scale = rows.scale + r0 * rows.blocks + b;
+        const float* row_sum = rows.sum + r0 * rows.blocks + b;
+        for (int i = 0; i < 16; ++i) {  // the VNNI path's epilogue, operation for operation
+          const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(sum_hi + 16 * i), 8),
+                                               _mm512_load_si512(sum_lo + 16 * i));
+          const __m512 col_scale = _mm512_mul_ps(scale, _mm512_set1_ps(row_scale[i * rows.blocks]));
+          acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), col_scale, acc[i]);
+          if (has_offset) acc[i] = _mm512_fmadd_ps(offset, _mm512_set1_ps(row_sum[i * rows.blocks]), acc[i]);
+        }
+      }
+      const int valid = m - r0 < 16 ? m - r0 : 16;
+      for (int i = 0; i < valid; ++i) _mm512_mask_storeu_ps(y + (r0 + i) * ys + g * 16, mask, acc[i]);
+    }
+  }
+  _tile_release();
+}
+#endif  // KVFLOW_HAVE_AMX
+
 #endif  // KVFLOW_HAVE_VNNI
 
 }  // namespace
+
+extern "C" int kvflow_packed_matmul_uses_amx(void) {
+#ifdef KVFLOW_HAVE_AMX
+  return amx_ready() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
 
 extern "C" int kvflow_packed_matmul(const KvflowPackedWeight* w, const float* x, int64_t x_stride, int m, float* y,
                                     int64_t y_stride, int num_threads) {
 #ifdef KVFLOW_HAVE_VNNI
   if (w->k % kBlock || (w->bits != 4 && w->bits != 8) || m <= 0) return -1;
   const int64_t nb = w->k / kBlock;
+#ifdef KVFLOW_HAVE_AMX
+  const bool amx = m >= kAmxMinRows && amx_ready();
+#else
+  const bool amx = false;
+#endif
+  const int padded = amx ? (m + 15) / 16 * 16 : m;  // AMX reads whole tiles of 16 rows
   thread_local std::vector<int8_t> digits;
   thread_local std::vector<float> block_stats;
-  digits.resize(static_cast<size_t>(2 * m) * w->k);
-  block_stats.resize(static_cast<size_t>(2 * m) * nb);
+  digits.resize(static_cast<size_t>(2 * padded) * w->k);
+  block_stats.resize(static_cast<size_t>(2 * padded) * nb);
   int8_t* hi = digits.data();
-  int8_t* lo = hi + static_cast<size_t>(m) * w->k;
+  int8_t* lo = hi + static_cast<size_t>(padded) * w->k;
   float* scale = block_stats.data();
-  float* sum = scale + static_cast<size_t>(m) * nb;
+  float* sum = scale + static_cast<size_t>(padded) * nb;
   for (int r = 0; r < m; ++r)
     quantize_row(x + r * x_stride, w->k, hi + r * w->k, lo + r * w->k, scale + r * nb, sum + r * nb);
+  for (int r = m; r < padded; ++r) {  // rows a tile reads but nobody uses: zeros, not stale bytes
+    std::memset(hi + r * w->k, 0, w->k);
+    std::memset(lo + r * w->k, 0, w->k);
+    std::memset(scale + r * nb, 0, sizeof(float) * nb);
+    std::memset(sum + r * nb, 0, sizeof(float) * nb);
+  }
   const Rows rows{hi, lo, w->k, scale, sum, nb};
   const int64_t groups = (w->n + 15) / 16;
   // A thread team costs a few microseconds to wake: small matrices run on the calling thread.
@@ -203,7 +327,12 @@ extern "C" int kvflow_packed_matmul(const KvflowPackedWeight* w, const float* x,
 #else
     const int t = 0, nt = 1;
 #endif
-    run_groups(*w, groups * t / nt, groups * (t + 1) / nt, rows, m, y, y_stride);
+#ifdef KVFLOW_HAVE_AMX
+    if (amx)
+      amx_groups(*w, groups * t / nt, groups * (t + 1) / nt, rows, m, y, y_stride);
+    else
+#endif
+      run_groups(*w, groups * t / nt, groups * (t + 1) / nt, rows, m, y, y_stride);
   }
   return 0;
 #else

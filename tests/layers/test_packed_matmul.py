@@ -1,0 +1,78 @@
+"""kvflow's packed matmul kernel (kernels/packed_matmul): its byte layout, accuracy, stated error bound,
+and row independence across row counts (VNNI below 16 rows, AMX int8 tiles from 16) and thread counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvflow.kernels import packed_matmul
+from kvflow.layers.quant import BlockQuant, PackedLinear, quantize_weight
+
+# The kernel needs a C++ compiler and AVX512-VNNI; CI's machines have both, a laptop may not.
+pytestmark = pytest.mark.skipif(not packed_matmul.available(), reason="needs a C++ compiler and AVX512-VNNI")
+
+
+def codes(bits: int, n: int, k: int, seed: int = 0) -> BlockQuant:
+    """GGUF-like codes: float16 scales (Q4_1-style offsets for 4 bits, Q8_0's -128 d for 8)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 0.1
+    bq = quantize_weight(w, "int4" if bits == 4 else "int8", 32)
+    bq.scale = bq.scale.half().float()
+    bq.offset = bq.offset.half().float() if bits == 4 else -128.0 * bq.scale
+    return bq
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize(("n", "k"), [(100, 64), (960, 576), (576, 1536)])
+def test_layout_round_trip_and_accuracy(bits, n, k):
+    bq = codes(bits, n, k)
+    pw = packed_matmul.pack(bq)
+    assert torch.equal(packed_matmul.dequantize(pw), bq.dequantize())  # the file's weights, bit for bit
+    rows = torch.tensor([0, 17, n - 1])
+    assert torch.equal(packed_matmul.dequantize(pw, rows), bq.dequantize()[rows])
+    x = torch.randn(5, k)
+    ref = x.double() @ bq.dequantize().double().t()
+    y = packed_matmul.matmul(x, pw)
+    # Inputs quantized to 16-bit integers per block: measured 2e-5 of the output's range.
+    assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-4
+    bound = PackedLinear(bq).error_bound(x)
+    assert ((y.double() - ref).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_rows_do_not_depend_on_the_batch_or_threads(bits):
+    bq = codes(bits, 200, 576, seed=1)
+    pw = packed_matmul.pack(bq)
+    x = torch.randn(37, 576)
+    single = torch.cat([packed_matmul.matmul(x[i : i + 1], pw) for i in range(37)])  # VNNI, one row
+    for m in (3, 16, 37):  # VNNI, and AMX int8 tiles from 16 rows where the CPU has them
+        assert torch.equal(packed_matmul.matmul(x[:m], pw), single[:m])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(packed_matmul.matmul(x, pw), single)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_zero_rows_and_strided_input():
+    bq = codes(4, 48, 64)
+    pw = packed_matmul.pack(bq)
+    x = torch.randn(4, 128)[:, :64]  # rows with a stride of 128
+    assert torch.equal(packed_matmul.matmul(x, pw), packed_matmul.matmul(x.contiguous(), pw))
+    assert torch.equal(packed_matmul.matmul(torch.zeros(2, 64), pw), torch.zeros(2, 48))
+    assert packed_matmul.matmul(torch.zeros(0, 64), pw).shape == (0, 48)
+
+
+def test_codes_it_cannot_keep_exactly_are_refused():
+    bq = codes(4, 32, 64)
+    assert packed_matmul.can_pack(bq)
+    inexact = BlockQuant(bq.q, bq.scale * (1 + 2**-20), bq.offset, 32, 4)  # scales not float16 values
+    wide = quantize_weight(torch.randn(32, 128), "int8", 64)
+    for bad in (inexact, wide):
+        assert not packed_matmul.can_pack(bad)
+        with pytest.raises(ValueError, match="groups of 32"):
+            packed_matmul.pack(bad)
+    with pytest.raises(ValueError, match="float32"):
+        packed_matmul.matmul(torch.randn(2, 64, dtype=torch.float64), packed_matmul.pack(bq))
