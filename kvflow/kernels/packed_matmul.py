@@ -139,6 +139,14 @@ def _kernel():
 
 
 @functools.cache
+def _refine_kernel():
+    fn = build.load().kvflow_packed_refine_top
+    fn.argtypes = [ctypes.POINTER(PackedWeightStruct), _ptr, _i64, _i32, _ptr, _i64, _ptr]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+@functools.cache
 def available() -> bool:
     """Whether the kernel runs here: a compiler, and a CPU with AVX512-VNNI (the build says -1 otherwise)."""
     from kvflow.layers.quant.packing import BlockQuant
@@ -156,6 +164,16 @@ def amx_available() -> bool:
     """Whether many-row matmuls run on AMX int8 tiles here (bitwise the same results, several times faster)."""
     lib = build.load()
     return available() and bool(lib.kvflow_packed_matmul_uses_amx())
+
+
+def refine_top(x: torch.Tensor, pw: PackedWeight, y: torch.Tensor, bound: torch.Tensor) -> int:
+    """In place: every y[r, j] within 2 * bound[r] of row r's largest becomes the exact x[r] . w[j] (double
+    sums over the stored codes), so each row's argmax is the exact product's. Returns how many changed."""
+    if not (x.dtype == y.dtype == bound.dtype == torch.float32) or y.stride(-1) != 1 or x.stride(-1) != 1:
+        raise ValueError("refine_top takes float32 rows")
+    bound = bound.reshape(-1).contiguous()
+    return _refine_kernel()(ctypes.byref(pw.struct), x.data_ptr(), x.stride(0), x.shape[0], y.data_ptr(), y.stride(0),
+              bound.data_ptr())
 
 
 def matmul(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -59,9 +59,9 @@ class ExactTopLogits(nn.Module):
 
     The packed kernels approximate: PyTorch's int4 kernel rounds its output to bfloat16 (a logit of 20
     moves by up to 0.04, which swaps SmolLM2's top two tokens about once in 50 steps); kvflow's own kernel
-    quantizes its input (a bound it states, `error_bound`). With a bound, every token whose logit is
-    within two bounds of the row's best is recomputed: the greedy choice is then the float model's. Without
-    one, the k best are."""
+    quantizes its input (a bound it states, PackedLinear.error_bound). There, every token whose logit is
+    within two bounds of the row's best is recomputed in C++ (PackedLinear.exact_top): the greedy choice
+    is then the exact product's. Elsewhere, the k best are recomputed."""
 
     def __init__(self, packed: QuantLinear, k: int = 16) -> None:
         super().__init__()
@@ -69,15 +69,11 @@ class ExactTopLogits(nn.Module):
         self.k = min(k, packed.out_features)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        exact_top = getattr(self.packed, "exact_top", None)
+        logits = exact_top(hidden) if exact_top is not None else None
+        if logits is not None:
+            return logits.to(hidden.dtype)
         logits = self.packed(hidden)
-        bound = self.packed.error_bound(hidden) if hasattr(self.packed, "error_bound") else None
-        if bound is not None:
-            near = logits >= logits.amax(-1, keepdim=True) - 2 * bound
-            rows, cols = near.nonzero(as_tuple=True)
-            if rows.numel() <= self.k * hidden.shape[0]:
-                exact = (self.packed.embedding(cols).double() * hidden[rows].double()).sum(-1)
-                logits[rows, cols] = exact.to(logits.dtype)
-                return logits
         top = logits.topk(self.k, dim=-1).indices
         emb = self.packed.embedding(top)  # [T, k, in] float32
         exact = (emb.double() * hidden.double().unsqueeze(-2)).sum(-1)  # per row: independent of the batch

@@ -76,3 +76,20 @@ def test_codes_it_cannot_keep_exactly_are_refused():
             packed_matmul.pack(bad)
     with pytest.raises(ValueError, match="float32"):
         packed_matmul.matmul(torch.randn(2, 64, dtype=torch.float64), packed_matmul.pack(bq))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_exact_top_gives_the_exact_argmax(bits):
+    """Outputs within two error bounds of a row's largest are recomputed from the codes in double: the
+    argmax, and those values, are the exact product's; the others stay within the bound."""
+    bq = codes(bits, 3000, 576, seed=2)
+    layer = PackedLinear(bq)
+    x = torch.randn(6, 576)
+    exact = x.double() @ bq.dequantize().double().t()
+    fast = packed_matmul.matmul(x, layer.packed)
+    y = layer.exact_top(x)
+    assert torch.equal(y.argmax(-1), exact.argmax(-1))
+    changed = y != fast
+    assert changed.any(axis=-1).all()  # at least each row's best was recomputed
+    assert torch.equal(y[changed], exact[changed].float())
+    assert ((y.double() - exact).abs() <= layer.error_bound(x)).all()

@@ -340,3 +340,57 @@ extern "C" int kvflow_packed_matmul(const KvflowPackedWeight* w, const float* x,
   return -1;
 #endif
 }
+
+namespace {
+
+// Column j of a packed weight times x, from the stored codes, summed in double: the exact product.
+double exact_column(const KvflowPackedWeight& w, int64_t j, const float* x) {
+  const int64_t nb = w.k / 32;
+  const size_t chunk = (w.bits == 4 ? 256 : 512) + (w.has_offset ? 64 : 32);
+  const size_t code_bytes = w.bits == 4 ? 256 : 512;
+  const int c = static_cast<int>(j % 16);
+  const uint8_t* group = w.data + static_cast<size_t>(j / 16) * nb * chunk;
+  double total = 0.0;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* at = group + b * chunk;
+    _Float16 scale16, offset16 = 0;
+    std::memcpy(&scale16, at + code_bytes + 2 * c, 2);
+    if (w.has_offset) std::memcpy(&offset16, at + code_bytes + 32 + 2 * c, 2);
+    const double scale = static_cast<double>(scale16), offset = static_cast<double>(offset16);
+    const float* xb = x + b * 32;
+    double dot = 0.0, sum = 0.0;
+    for (int k = 0; k < 32; ++k) {
+      int q;
+      if (w.bits == 4) {
+        const uint8_t byte = at[64 * (k / 8) + 4 * c + k % 4];
+        q = (k % 8) < 4 ? (byte & 0x0f) : (byte >> 4);
+      } else {
+        q = at[64 * (k / 4) + 4 * c + k % 4];
+      }
+      dot += static_cast<double>(q) * xb[k];
+      sum += xb[k];
+    }
+    total += scale * dot + offset * sum;
+  }
+  return total;
+}
+
+}  // namespace
+
+extern "C" int kvflow_packed_refine_top(const KvflowPackedWeight* w, const float* x, int64_t x_stride, int m,
+                                        float* y, int64_t y_stride, const float* bound) {
+  int recomputed = 0;
+  for (int r = 0; r < m; ++r) {
+    float* yr = y + r * y_stride;
+    float best = yr[0];
+    for (int64_t j = 1; j < w->n; ++j) best = yr[j] > best ? yr[j] : best;
+    const float floor = best - 2.f * bound[r];
+    for (int64_t j = 0; j < w->n; ++j) {
+      if (yr[j] >= floor) {
+        yr[j] = static_cast<float>(exact_column(*w, j, x + r * x_stride));
+        ++recomputed;
+      }
+    }
+  }
+  return recomputed;
+}

@@ -64,6 +64,16 @@ class PackedLinear(QuantLinear):
     def nbytes(self) -> int:
         return self.packed.nbytes()
 
+    def exact_top(self, x: torch.Tensor) -> torch.Tensor | None:
+        """y = x @ W^T [T, out] float32 with every output that could be its row's largest recomputed
+        exactly (see error_bound), or None where this layer cannot (a bias)."""
+        if self.bias is not None:
+            return None
+        x2 = x.reshape(-1, self.in_features).float().contiguous()
+        y = packed_matmul.matmul(x2, self.packed)
+        packed_matmul.refine_top(x2, self.packed, y, self.error_bound(x2))
+        return y.reshape(*x.shape[:-1], self.out_features)
+
     def error_bound(self, x: torch.Tensor) -> torch.Tensor:
         """A bound on |y - x @ W^T| per row of x [T, in] (float32 [T, 1]): the kernel's only approximation
         is the input's, at most half a step of max|x| / 32639 per block of 32, times that block's largest
