@@ -178,6 +178,104 @@ void attend_chunk(const float* q, const T* k_cache, const T* v_cache, const int3
   }
 }
 
+#ifdef __AVX512F__
+// Sums of four vectors' lanes, as one 4-float vector: three shuffle-and-add levels instead of four
+// separate horizontal reductions.
+inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  const __m512d d0 = _mm512_castps_pd(t0), d1 = _mm512_castps_pd(t1);
+  const __m512 t2 = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(d0, d1)),
+                                  _mm512_castpd_ps(_mm512_unpackhi_pd(d0, d1)));
+  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(t2), _mm512_extractf32x8_ps(t2, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+}
+
+// attend_chunk for a head size known at compile time (64, 128): the query row and the output row live
+// in registers, and scores come four positions at a time (independent FMA chains, one reduction).
+template <typename T, int D>
+void attend_chunk_fixed(const float* q, const T* k_cache, const T* v_cache, const int32_t* table, int lo, int hi,
+                        const Shape& s, float* scores, int64_t* offsets, float* max_out, float* sum_out,
+                        float* acc_out) {
+  constexpr int V = D / 16;
+  const int g = s.group, hkv = s.num_kv_heads, n = hi - lo;
+  const int64_t token_stride = static_cast<int64_t>(hkv) * D;
+  for (int p = 0; p < n; ++p) {
+    const int pos = lo + p;
+    const int64_t slot = static_cast<int64_t>(table[pos / s.block_size]) * s.block_size + pos % s.block_size;
+    offsets[p] = slot * token_stride;
+  }
+  const __m128 scale4 = _mm_set1_ps(s.scale);
+  for (int kv = 0; kv < hkv; ++kv) {
+    const T* k_head = k_cache + kv * D;
+    const T* v_head = v_cache + kv * D;
+    for (int j = 0; j < g; ++j) {
+      const int h = kv * g + j;
+      __m512 qv[V];
+      for (int v = 0; v < V; ++v) qv[v] = _mm512_loadu_ps(q + h * D + 16 * v);
+      float* sc = scores + h * kChunk;
+      int p = 0;
+      for (; p + 4 <= n; p += 4) {
+        if (j == 0) {  // first pass over these positions: fetch K rows ahead, and V rows for the PV loop
+          constexpr int kLines = (D * static_cast<int>(sizeof(T)) + 63) / 64;
+          for (int i = 0; i < 4; ++i) {
+            const char* k_next = reinterpret_cast<const char*>(k_head + offsets[p + i + 8 < n ? p + i + 8 : p + i]);
+            const char* v_row = reinterpret_cast<const char*>(v_head + offsets[p + i]);
+            for (int line = 0; line < kLines; ++line) {
+              _mm_prefetch(k_next + 64 * line, _MM_HINT_T0);
+              _mm_prefetch(v_row + 64 * line, _MM_HINT_T0);
+            }
+          }
+        }
+        __m512 a[4];
+        for (int i = 0; i < 4; ++i) {
+          const T* k = k_head + offsets[p + i];
+          a[i] = _mm512_mul_ps(qv[0], load16(k));
+          for (int v = 1; v < V; ++v) a[i] = _mm512_fmadd_ps(qv[v], load16(k + 16 * v), a[i]);
+        }
+        _mm_storeu_ps(sc + p, _mm_mul_ps(reduce4(a[0], a[1], a[2], a[3]), scale4));
+      }
+      for (; p < n; ++p) {
+        const T* k = k_head + offsets[p];
+        __m512 a = _mm512_mul_ps(qv[0], load16(k));
+        for (int v = 1; v < V; ++v) a = _mm512_fmadd_ps(qv[v], load16(k + 16 * v), a);
+        sc[p] = _mm512_reduce_add_ps(a) * s.scale;
+      }
+      __m512 mv = _mm512_set1_ps(-INFINITY);
+      int i = 0;
+      for (; i + 16 <= n; i += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sc + i));
+      float m = _mm512_reduce_max_ps(mv);
+      for (; i < n; ++i) m = sc[i] > m ? sc[i] : m;
+      max_out[h] = m;
+      sum_out[h] = exp_shifted_sum(sc, n, m);
+      __m512 acc[V];
+      for (int v = 0; v < V; ++v) acc[v] = _mm512_setzero_ps();
+      for (i = 0; i < n; ++i) {
+        const __m512 w = _mm512_set1_ps(sc[i]);
+        const T* row = v_head + offsets[i];
+        for (int v = 0; v < V; ++v) acc[v] = _mm512_fmadd_ps(w, load16(row + 16 * v), acc[v]);
+      }
+      for (int v = 0; v < V; ++v) _mm512_storeu_ps(acc_out + h * D + 16 * v, acc[v]);
+    }
+  }
+}
+#endif
+
+// One chunk through the fixed-size code where it applies, else the general loop.
+template <typename T>
+void attend(const float* q, const T* k_cache, const T* v_cache, const int32_t* table, int lo, int hi,
+            const Shape& s, float* scores, int64_t* offsets, float* max_out, float* sum_out, float* acc_out) {
+#ifdef __AVX512F__
+  if (s.head_dim == 64)
+    return attend_chunk_fixed<T, 64>(q, k_cache, v_cache, table, lo, hi, s, scores, offsets, max_out, sum_out,
+                                     acc_out);
+  if (s.head_dim == 128)
+    return attend_chunk_fixed<T, 128>(q, k_cache, v_cache, table, lo, hi, s, scores, offsets, max_out, sum_out,
+                                      acc_out);
+#endif
+  attend_chunk(q, k_cache, v_cache, table, lo, hi, s, scores, offsets, max_out, sum_out, acc_out);
+}
+
 template <typename T>
 void run(const float* q, int64_t q_stride, const float* k_new, int64_t k_stride, const float* v_new,
          int64_t v_stride, T* k_cache, T* v_cache, const int64_t* slots, int num_tokens,
@@ -226,8 +324,8 @@ void run(const float* q, int64_t q_stride, const float* k_new, int64_t k_stride,
       const int lo = (i - first_chunk[item_row[i]]) * kChunk;
       const int hi = row.context < lo + kChunk ? row.context : lo + kChunk;
       const size_t at = static_cast<size_t>(i) * hq;
-      attend_chunk(q + row.out_row * q_stride, k_cache, v_cache, tables + row.seq * s.table_stride, lo, hi, s,
-                   scores.data(), offsets.data(), &part_max[at], &part_sum[at], &part_acc[at * d]);
+      attend(q + row.out_row * q_stride, k_cache, v_cache, tables + row.seq * s.table_stride, lo, hi, s,
+             scores.data(), offsets.data(), &part_max[at], &part_sum[at], &part_acc[at * d]);
     }
   }
   // Merge each row's chunks in order.
