@@ -15,6 +15,8 @@ from kvflow.kernels import packed_matmul
 from kvflow.layers.quant.base import QuantLinear
 from kvflow.layers.quant.packing import BlockQuant
 
+ROWS_PER_TILE = 512  # rows dequantized at a time (float32 temporaries of a few MB)
+
 
 class PackedLinear(QuantLinear):
     tile_align = packed_matmul.COLUMNS
@@ -44,6 +46,15 @@ class PackedLinear(QuantLinear):
             y = y + self.bias
         return y.to(x.dtype).reshape(*lead, self.out_features)
 
+    def cache_dense_bf16(self) -> None:
+        """The bfloat16 copy for many-row steps, filled a tile of rows at a time: dequantizing all rows at
+        once would hold float32 temporaries several times the copy's size (the load's peak memory)."""
+        dense = torch.empty(self.out_features, self.in_features, dtype=torch.bfloat16)
+        for start in range(0, self.out_features, ROWS_PER_TILE):
+            rows = torch.arange(start, min(start + ROWS_PER_TILE, self.out_features))
+            dense[start : start + len(rows)] = packed_matmul.dequantize(self.packed, rows)
+        self.dense_bf16 = dense
+
     def kernel_mm(self, x: torch.Tensor) -> torch.Tensor:
         return packed_matmul.matmul(x.float().contiguous(), self.packed)
 
@@ -55,7 +66,8 @@ class PackedLinear(QuantLinear):
         return w.t()
 
     def dequantize(self) -> torch.Tensor:
-        return packed_matmul.dequantize(self.packed)
+        return torch.cat([packed_matmul.dequantize(self.packed, torch.arange(s, min(s + ROWS_PER_TILE, self.out_features)))
+                          for s in range(0, self.out_features, ROWS_PER_TILE)])
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of the weight, float32 [*ids.shape, in]: exactly the GGUF's dequantized values."""
@@ -80,8 +92,8 @@ class PackedLinear(QuantLinear):
         sum of |w| over an output row; plus slack for float32 sums."""
         if self._block_abs_sum is None:
             sums = []
-            for start in range(0, self.out_features, 4096):  # bounded temporaries for a big vocabulary
-                rows = torch.arange(start, min(start + 4096, self.out_features))
+            for start in range(0, self.out_features, ROWS_PER_TILE):  # bounded temporaries
+                rows = torch.arange(start, min(start + ROWS_PER_TILE, self.out_features))
                 w = packed_matmul.dequantize(self.packed, rows).abs()
                 sums.append(w.view(len(rows), -1, packed_matmul.GROUP).sum(-1).amax(0))
             self._block_abs_sum = torch.stack(sums).amax(0)  # [blocks]
