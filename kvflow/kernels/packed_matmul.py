@@ -139,6 +139,14 @@ def _kernel():
 
 
 @functools.cache
+def _rows_kernel():
+    fn = build.load().kvflow_packed_rows
+    fn.argtypes = [ctypes.POINTER(PackedWeightStruct), _ptr, _i32, _ptr]
+    fn.restype = None
+    return fn
+
+
+@functools.cache
 def _refine_kernel():
     fn = build.load().kvflow_packed_refine_top
     fn.argtypes = [ctypes.POINTER(PackedWeightStruct), _ptr, _i64, _i32, _ptr, _i64, _ptr]
@@ -166,14 +174,25 @@ def amx_available() -> bool:
     return available() and bool(lib.kvflow_packed_matmul_uses_amx())
 
 
-def refine_top(x: torch.Tensor, pw: PackedWeight, y: torch.Tensor, bound: torch.Tensor) -> int:
-    """In place: every y[r, j] within 2 * bound[r] of row r's largest becomes the exact x[r] . w[j] (double
-    sums over the stored codes), so each row's argmax is the exact product's. Returns how many changed."""
-    if not (x.dtype == y.dtype == bound.dtype == torch.float32) or y.stride(-1) != 1 or x.stride(-1) != 1:
+def refine_top(x: torch.Tensor, pw: PackedWeight, y: torch.Tensor, block_abs_sum: torch.Tensor) -> int:
+    """In place, y = matmul(x, pw): every y[r, j] within two error bounds of row r's largest becomes the exact
+    x[r] . w[j] (double sums over the stored codes), so each row's argmax is the exact product's.
+    block_abs_sum: float32 [k // 32], per block the largest sum of |w| over a row. Returns how many changed."""
+    if not (x.dtype == y.dtype == block_abs_sum.dtype == torch.float32) or y.stride(-1) != 1 or x.stride(-1) != 1:
         raise ValueError("refine_top takes float32 rows")
-    bound = bound.reshape(-1).contiguous()
-    return _refine_kernel()(ctypes.byref(pw.struct), x.data_ptr(), x.stride(0), x.shape[0], y.data_ptr(), y.stride(0),
-              bound.data_ptr())
+    sums = block_abs_sum.contiguous()
+    return _refine_kernel()(ctypes.byref(pw.struct), x.data_ptr(), x.stride(0), x.shape[0], y.data_ptr(),
+                            y.stride(0), sums.data_ptr())
+
+
+def rows(pw: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """float32 [*ids.shape, k]: output rows `ids` of the weight, dequantized exactly (embedding lookups)."""
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= pw.n):
+        raise IndexError(f"row index out of range for a weight of {pw.n} rows")
+    out = torch.empty(flat.numel(), pw.k)
+    _rows_kernel()(ctypes.byref(pw.struct), flat.data_ptr(), flat.numel(), out.data_ptr())
+    return out.view(*ids.shape, pw.k)
 
 
 def matmul(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -67,6 +67,8 @@ class ExactTopLogits(nn.Module):
         super().__init__()
         self.packed = packed
         self.k = min(k, packed.out_features)
+        if hasattr(packed, "prepare_error_bound"):
+            packed.prepare_error_bound()  # now, not in the first request's time to first token
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         exact_top = getattr(self.packed, "exact_top", None)

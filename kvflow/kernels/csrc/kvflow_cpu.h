@@ -71,10 +71,15 @@ struct KvflowStep {
 int kvflow_decoder_step(const KvflowDecoder* m, float* hidden, const int64_t* positions, int rows,
                         const KvflowStep* step, int num_threads);
 
-// For each row: every output within 2 * bound[r] of the row's largest is recomputed exactly (double sums
-// over the stored codes), so the row's argmax is the exact product's. Returns how many were recomputed.
+// For each row of y = x @ w^T from kvflow_packed_matmul: every output within two error bounds of the row's
+// largest is recomputed exactly (double sums over the stored codes), so the row's argmax is the exact
+// product's. The bound (PackedLinear.error_bound) needs block_abs_sum[b], the largest sum of |w| over
+// block b of an output row. Returns how many outputs were recomputed.
 int kvflow_packed_refine_top(const KvflowPackedWeight* w, const float* x, int64_t x_stride, int m, float* y,
-                             int64_t y_stride, const float* bound);
+                             int64_t y_stride, const float* block_abs_sum);
+
+// Rows ids[0..count) of w (output features), dequantized exactly as float32 into out [count, k].
+void kvflow_packed_rows(const KvflowPackedWeight* w, const int64_t* ids, int count, float* out);
 
 int kvflow_paged_attention(const float* q, int64_t q_stride, const float* k_new, int64_t k_stride,
                            const float* v_new, int64_t v_stride, void* k_cache, void* v_cache, int cache_dtype,

@@ -10,6 +10,7 @@
 // by the column's weight scale times the block's input scale, and offset times input sum is added.
 // Work is split by output columns only, so each column's sum runs in the same order whatever the row
 // count or thread count: a row's result does not depend on the batch.
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -343,6 +344,8 @@ extern "C" int kvflow_packed_matmul(const KvflowPackedWeight* w, const float* x,
 
 namespace {
 
+constexpr float kMaxIntValue = 32639.f;  // kMaxInt, also where the VNNI code is not built
+
 // Column j of a packed weight times x, from the stored codes, summed in double: the exact product.
 double exact_column(const KvflowPackedWeight& w, int64_t j, const float* x) {
   const int64_t nb = w.k / 32;
@@ -377,20 +380,88 @@ double exact_column(const KvflowPackedWeight& w, int64_t j, const float* x) {
 
 }  // namespace
 
+// The row's largest value and the indices within `margin` of it, in one pass each.
+float row_max(const float* y, int64_t n) {
+  int64_t j = 0;
+  float best = -INFINITY;
+#ifdef KVFLOW_HAVE_VNNI
+  __m512 mv = _mm512_set1_ps(-INFINITY);
+  for (; j + 16 <= n; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(y + j));
+  best = _mm512_reduce_max_ps(mv);
+#endif
+  for (; j < n; ++j) best = y[j] > best ? y[j] : best;
+  return best;
+}
+
 extern "C" int kvflow_packed_refine_top(const KvflowPackedWeight* w, const float* x, int64_t x_stride, int m,
-                                        float* y, int64_t y_stride, const float* bound) {
+                                        float* y, int64_t y_stride, const float* block_abs_sum) {
+  const int64_t nb = w->k / 32;
+  float w_max = 0.f;
+  for (int64_t b = 0; b < nb; ++b) w_max = block_abs_sum[b] > w_max ? block_abs_sum[b] : w_max;
   int recomputed = 0;
   for (int r = 0; r < m; ++r) {
+    const float* xr = x + r * x_stride;
     float* yr = y + r * y_stride;
-    float best = yr[0];
-    for (int64_t j = 1; j < w->n; ++j) best = yr[j] > best ? yr[j] : best;
-    const float floor = best - 2.f * bound[r];
-    for (int64_t j = 0; j < w->n; ++j) {
+    // The bound PackedLinear.error_bound states: half an input step per block times the block's |w| sum.
+    float spread = 0.f, l1 = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      float amax = 0.f;
+      for (int i = 0; i < 32; ++i) {
+        const float v = std::fabs(xr[b * 32 + i]);
+        amax = v > amax ? v : amax;
+        l1 += v;
+      }
+      spread += amax * block_abs_sum[b];
+    }
+    const float bound = spread / (2.f * kMaxIntValue) * 1.01f + 1e-6f * l1 * w_max;
+    const float floor = row_max(yr, w->n) - 2.f * bound;
+    int64_t j = 0;
+#ifdef KVFLOW_HAVE_VNNI
+    const __m512 fv = _mm512_set1_ps(floor);
+    for (; j + 16 <= w->n; j += 16) {
+      __mmask16 near = _mm512_cmp_ps_mask(_mm512_loadu_ps(yr + j), fv, _CMP_GE_OQ);
+      while (near) {
+        const int i = __builtin_ctz(near);
+        near &= near - 1;
+        yr[j + i] = static_cast<float>(exact_column(*w, j + i, xr));
+        ++recomputed;
+      }
+    }
+#endif
+    for (; j < w->n; ++j) {
       if (yr[j] >= floor) {
-        yr[j] = static_cast<float>(exact_column(*w, j, x + r * x_stride));
+        yr[j] = static_cast<float>(exact_column(*w, j, xr));
         ++recomputed;
       }
     }
   }
   return recomputed;
+}
+
+extern "C" void kvflow_packed_rows(const KvflowPackedWeight* w, const int64_t* ids, int count, float* out) {
+  const int64_t nb = w->k / 32;
+  const size_t chunk = (w->bits == 4 ? 256 : 512) + (w->has_offset ? 64 : 32);
+  const size_t code_bytes = w->bits == 4 ? 256 : 512;
+  for (int i = 0; i < count; ++i) {
+    const int c = static_cast<int>(ids[i] % 16);
+    const uint8_t* group = w->data + static_cast<size_t>(ids[i] / 16) * nb * chunk;
+    float* row = out + static_cast<int64_t>(i) * w->k;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* at = group + b * chunk;
+      _Float16 scale16, offset16 = 0;
+      std::memcpy(&scale16, at + code_bytes + 2 * c, 2);
+      if (w->has_offset) std::memcpy(&offset16, at + code_bytes + 32 + 2 * c, 2);
+      const float scale = static_cast<float>(scale16), offset = static_cast<float>(offset16);
+      for (int k = 0; k < 32; ++k) {
+        int q;
+        if (w->bits == 4) {
+          const uint8_t byte = at[64 * (k / 8) + 4 * c + k % 4];
+          q = (k % 8) < 4 ? (byte & 0x0f) : (byte >> 4);
+        } else {
+          q = at[64 * (k / 4) + 4 * c + k % 4];
+        }
+        row[b * 32 + k] = static_cast<float>(q) * scale + offset;  // scale * q is exact: one rounding
+      }
+    }
+  }
 }

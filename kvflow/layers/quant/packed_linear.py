@@ -71,7 +71,7 @@ class PackedLinear(QuantLinear):
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of the weight, float32 [*ids.shape, in]: exactly the GGUF's dequantized values."""
-        return packed_matmul.dequantize(self.packed, ids.reshape(-1)).view(*ids.shape, self.in_features)
+        return packed_matmul.rows(self.packed, ids)
 
     def nbytes(self) -> int:
         return self.packed.nbytes()
@@ -83,13 +83,22 @@ class PackedLinear(QuantLinear):
             return None
         x2 = x.reshape(-1, self.in_features).float().contiguous()
         y = packed_matmul.matmul(x2, self.packed)
-        packed_matmul.refine_top(x2, self.packed, y, self.error_bound(x2))
+        self.prepare_error_bound()
+        packed_matmul.refine_top(x2, self.packed, y, self._block_abs_sum)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def error_bound(self, x: torch.Tensor) -> torch.Tensor:
         """A bound on |y - x @ W^T| per row of x [T, in] (float32 [T, 1]): the kernel's only approximation
         is the input's, at most half a step of max|x| / 32639 per block of 32, times that block's largest
         sum of |w| over an output row; plus slack for float32 sums."""
+        self.prepare_error_bound()
+        amax = x.float().view(x.shape[0], -1, packed_matmul.GROUP).abs().amax(-1)  # [T, blocks]
+        bound = amax @ self._block_abs_sum / (2 * packed_matmul.INPUT_STEPS)
+        return (bound * 1.01 + 1e-6 * x.float().abs().sum(-1) * self._block_abs_sum.max()).unsqueeze(-1)
+
+    def prepare_error_bound(self) -> None:
+        """Per block of inputs, the largest sum of |w| over an output row (error_bound's one weight statistic;
+        a pass over every weight, so done once, at load for the output projection)."""
         if self._block_abs_sum is None:
             sums = []
             for start in range(0, self.out_features, ROWS_PER_TILE):  # bounded temporaries
@@ -97,9 +106,6 @@ class PackedLinear(QuantLinear):
                 w = packed_matmul.dequantize(self.packed, rows).abs()
                 sums.append(w.view(len(rows), -1, packed_matmul.GROUP).sum(-1).amax(0))
             self._block_abs_sum = torch.stack(sums).amax(0)  # [blocks]
-        amax = x.float().view(x.shape[0], -1, packed_matmul.GROUP).abs().amax(-1)  # [T, blocks]
-        bound = amax @ self._block_abs_sum / (2 * packed_matmul.INPUT_STEPS)
-        return (bound * 1.01 + 1e-6 * x.float().abs().sum(-1) * self._block_abs_sum.max()).unsqueeze(-1)
 
 
 @torch.library.custom_op("kvflow::packed_matmul", mutates_args=())
