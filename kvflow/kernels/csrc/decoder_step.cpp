@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "kvflow_cpu.h"
+#include "vector_exp.h"
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -56,6 +57,20 @@ void rotate(float* x, int heads, int d, const float* cos, const float* sin) {
 }
 
 inline float silu(float g) { return g / (1.f + std::exp(-g)); }
+
+// a[j] = silu(gate[j]) * up[j] for one row.
+void silu_mul(const float* gate, const float* up, float* a, int n) {
+  int j = 0;
+#ifdef __AVX512F__
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (; j + 16 <= n; j += 16) {
+    const __m512 g = _mm512_loadu_ps(gate + j);
+    const __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    _mm512_storeu_ps(a + j, _mm512_mul_ps(s, _mm512_loadu_ps(up + j)));
+  }
+#endif
+  for (; j < n; ++j) a[j] = silu(gate[j]) * up[j];
+}
 
 }  // namespace
 
@@ -107,7 +122,7 @@ extern "C" int kvflow_decoder_step(const KvflowDecoder* m, float* hidden, const 
     for (int r = 0; r < rows; ++r) {
       const float* gu = buf.gate_up.data() + static_cast<int64_t>(r) * 2 * inter;
       float* a = buf.act.data() + static_cast<int64_t>(r) * inter;
-      for (int j = 0; j < inter; ++j) a[j] = silu(gu[j]) * gu[inter + j];
+      silu_mul(gu, gu + inter, a, inter);
     }
     if (kvflow_packed_matmul(&layer.down, buf.act.data(), inter, rows, buf.proj.data(), h, num_threads)) return -1;
     for (int64_t i = 0; i < static_cast<int64_t>(rows) * h; ++i) hidden[i] += buf.proj[i];

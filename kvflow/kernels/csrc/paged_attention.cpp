@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "kvflow_cpu.h"
+#include "vector_exp.h"
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -106,28 +107,15 @@ struct Shape {
   float scale;
 };
 
-// exp(x[i] - m) in place, returning the sum. Inputs are <= 0 after subtracting the max. With AVX-512:
-// 2^n * e^r with |r| <= ln2/2 and a degree-6 polynomial for e^r (about 1 ulp, like expf).
+// exp(x[i] - m) in place, returning the sum. Inputs are <= 0 after subtracting the max.
 inline float exp_shifted_sum(float* x, int n, float m) {
   int i = 0;
   float total = 0.f;
 #ifdef __AVX512F__
-  const __m512 log2e = _mm512_set1_ps(1.44269504f), ln2_hi = _mm512_set1_ps(0.693359375f),
-               ln2_lo = _mm512_set1_ps(-2.12194440e-4f), lowest = _mm512_set1_ps(-87.3f), mv = _mm512_set1_ps(m);
-  const float c[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
-                      4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+  const __m512 mv = _mm512_set1_ps(m);
   __m512 acc = _mm512_setzero_ps();
   for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_sub_ps(_mm512_loadu_ps(x + i), mv);
-    const __mmask16 tiny = _mm512_cmp_ps_mask(v, lowest, _CMP_LT_OQ);  // e^v underflows: exactly 0
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(k, ln2_hi, _mm512_max_ps(v, lowest));
-    r = _mm512_fnmadd_ps(k, ln2_lo, r);
-    __m512 poly = _mm512_set1_ps(c[0]);
-    for (int j = 1; j < 6; ++j) poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(c[j]));
-    poly = _mm512_fmadd_ps(poly, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    const __m512i pow2 = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
-    const __m512 e = _mm512_maskz_mul_ps(static_cast<__mmask16>(~tiny), poly, _mm512_castsi512_ps(pow2));
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), mv));
     _mm512_storeu_ps(x + i, e);
     acc = _mm512_add_ps(acc, e);
   }
