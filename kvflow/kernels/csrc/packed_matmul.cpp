@@ -244,6 +244,7 @@ void amx_groups(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const R
     const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
     for (int r0 = 0; r0 < m; r0 += 16) {
       __m512 acc[16];
+#pragma GCC unroll 16
       for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* at = group + b * chunk;
@@ -262,6 +263,7 @@ void amx_groups(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const R
                                   : _mm512_setzero_ps();
         const float* row_scale = rows.scale + r0 * rows.blocks + b;
         const float* row_sum = rows.sum + r0 * rows.blocks + b;
+#pragma GCC unroll 16
         for (int i = 0; i < 16; ++i) {  // the VNNI path's epilogue, operation for operation
           const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(sum_hi + 16 * i), 8),
                                                _mm512_load_si512(sum_lo + 16 * i));
