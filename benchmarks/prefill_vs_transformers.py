@@ -51,7 +51,7 @@ def main() -> None:
             hidden = ours.model(ids, torch.arange(args.tokens), meta)
             ours.model.compute_logits(hidden[-1:])
 
-    rows = [("kvflow (default: packed Q4_1, AMX prefill, compiled)", median_seconds(kvflow_pass, args.reps))]
+    rows = [("kvflow (default: packed Q4_1, AMX prefill)", median_seconds(kvflow_pass, args.reps))]
     for dtype in (torch.bfloat16, torch.float32):
         hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype).eval()
 

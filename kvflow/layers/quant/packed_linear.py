@@ -71,6 +71,10 @@ class PackedLinear(QuantLinear):
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of the weight, float32 [*ids.shape, in]: exactly the GGUF's dequantized values."""
+        if torch.compiler.is_compiling():
+            p = self.packed
+            flat = torch.ops.kvflow.packed_rows(ids.reshape(-1), p.data, p.n, p.k, p.bits, p.has_offset)
+            return flat.view(*ids.shape, self.in_features)
         return packed_matmul.rows(self.packed, ids)
 
     def nbytes(self) -> int:
@@ -118,3 +122,13 @@ def _packed_matmul_op(x: torch.Tensor, data: torch.Tensor, n: int, bits: int, ha
 @_packed_matmul_op.register_fake
 def _(x: torch.Tensor, data: torch.Tensor, n: int, bits: int, has_offset: bool) -> torch.Tensor:
     return x.new_empty(x.shape[0], n)
+
+
+@torch.library.custom_op("kvflow::packed_rows", mutates_args=())
+def _packed_rows_op(ids: torch.Tensor, data: torch.Tensor, n: int, k: int, bits: int, has_offset: bool) -> torch.Tensor:
+    return packed_matmul.rows(packed_matmul.PackedWeight(data, n, k, bits, has_offset), ids)
+
+
+@_packed_rows_op.register_fake
+def _(ids: torch.Tensor, data: torch.Tensor, n: int, k: int, bits: int, has_offset: bool) -> torch.Tensor:
+    return data.new_empty(ids.shape[0], k, dtype=torch.float32)
