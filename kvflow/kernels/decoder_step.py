@@ -68,6 +68,7 @@ class FusedDecoderStep:
     def __init__(self, model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -> None:
         self.model = model
         self.max_rows = max_rows
+        self._attn = [layer.self_attn for layer in model.layers]  # read every step by _bind
         # The first layer's k_cache the structs were built for. Held (with every bound cache, in _keep) so
         # that no freed cache's address can come back as another's while the structs point at it.
         self._bound_cache: torch.Tensor | None = None
@@ -103,7 +104,7 @@ class FusedDecoderStep:
 
     def _bind(self) -> bool:
         """(Re)build the structs when the KV cache the layers point at changed. False with no cache bound."""
-        attn = [layer.self_attn for layer in self.model.layers]
+        attn = self._attn
         if attn[0].k_cache is None:
             return False
         if self._bound_cache is attn[0].k_cache and self._struct is not None:
