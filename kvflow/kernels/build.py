@@ -91,3 +91,14 @@ def load() -> ctypes.CDLL | None:
         detail = getattr(exc, "stderr", "") or str(exc)
         log.warning("CPU kernels failed to build, using PyTorch ops instead: %s", detail.strip()[:500])
         return None
+
+
+@functools.cache
+def function(name: str, argtypes: tuple, restype=ctypes.c_int):
+    """One of the library's `extern "C"` functions with its ctypes signature, or None without the library."""
+    lib = load()
+    if lib is None:
+        return None
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = list(argtypes), restype
+    return fn

@@ -14,20 +14,11 @@ CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _i64, _i32, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
 
 
-def _function():
-    lib = build.load()
-    if lib is None:
-        return None
-    fn = lib.kvflow_paged_attention
-    fn.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i32, _ptr, _i32, _ptr, _ptr, _ptr, _i64,
-                   _i32, _ptr, _i64, _i32, _i32, _i32, _i32, _f32, _i32, _i32]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-@functools.cache
+@functools.cache  # resolved once: called on the per-step path
 def _kernel():
-    return _function()
+    return build.function("kvflow_paged_attention", (
+        _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i32, _ptr, _i32, _ptr, _ptr, _ptr, _i64,
+        _i32, _ptr, _i64, _i32, _i32, _i32, _i32, _f32, _i32, _i32))
 
 
 def available() -> bool:

@@ -45,15 +45,10 @@ class StepStruct(ctypes.Structure):
                 ("table_stride", _i64), ("num_seqs", _i32)]
 
 
-@functools.cache
+@functools.cache  # resolved once: called on the per-step path
 def _kernel():
-    lib = build.load()
-    if lib is None:
-        return None
-    fn = lib.kvflow_decoder_step
-    fn.argtypes = [ctypes.POINTER(DecoderStruct), _ptr, _ptr, _i32, ctypes.POINTER(StepStruct), _i32]
-    fn.restype = ctypes.c_int
-    return fn
+    return build.function("kvflow_decoder_step",
+                          (ctypes.POINTER(DecoderStruct), _ptr, _ptr, _i32, ctypes.POINTER(StepStruct), _i32))
 
 
 def _f32_ptr(t: torch.Tensor | None) -> int | None:

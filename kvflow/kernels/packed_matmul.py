@@ -127,31 +127,21 @@ def dequantize(pw: PackedWeight, rows: torch.Tensor | None = None) -> torch.Tens
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 
-@functools.cache
+@functools.cache  # resolved once: called on the per-step path
 def _kernel():
-    lib = build.load()
-    if lib is None:
-        return None
-    fn = lib.kvflow_packed_matmul
-    fn.argtypes = [ctypes.POINTER(PackedWeightStruct), _ptr, _i64, _i32, _ptr, _i64, _i32]
-    fn.restype = ctypes.c_int
-    return fn
+    return build.function("kvflow_packed_matmul", (ctypes.POINTER(PackedWeightStruct), _ptr, _i64, _i32, _ptr, _i64,
+                                                   _i32))
 
 
-@functools.cache
+@functools.cache  # resolved once: called on the per-step path
 def _rows_kernel():
-    fn = build.load().kvflow_packed_rows
-    fn.argtypes = [ctypes.POINTER(PackedWeightStruct), _ptr, _i32, _ptr]
-    fn.restype = None
-    return fn
+    return build.function("kvflow_packed_rows", (ctypes.POINTER(PackedWeightStruct), _ptr, _i32, _ptr), None)
 
 
-@functools.cache
+@functools.cache  # resolved once: called on the per-step path
 def _refine_kernel():
-    fn = build.load().kvflow_packed_refine_top
-    fn.argtypes = [ctypes.POINTER(PackedWeightStruct), _ptr, _i64, _i32, _ptr, _i64, _ptr]
-    fn.restype = ctypes.c_int
-    return fn
+    return build.function("kvflow_packed_refine_top", (ctypes.POINTER(PackedWeightStruct), _ptr, _i64, _i32, _ptr,
+                                                       _i64, _ptr))
 
 
 @functools.cache
@@ -165,13 +155,6 @@ def available() -> bool:
     probe = pack(BlockQuant(torch.zeros(16, 32, dtype=torch.uint8), torch.ones(16, 1), torch.zeros(16, 1), 32, 4))
     x, y = torch.zeros(1, 32), torch.empty(1, 16)
     return fn(ctypes.byref(probe.struct), x.data_ptr(), 32, 1, y.data_ptr(), 16, 1) == 0
-
-
-@functools.cache
-def amx_available() -> bool:
-    """Whether many-row matmuls run on AMX int8 tiles here (bitwise the same results, several times faster)."""
-    lib = build.load()
-    return available() and bool(lib.kvflow_packed_matmul_uses_amx())
 
 
 def refine_top(x: torch.Tensor, pw: PackedWeight, y: torch.Tensor, block_abs_sum: torch.Tensor) -> int:

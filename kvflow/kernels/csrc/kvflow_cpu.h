@@ -26,9 +26,6 @@ struct KvflowPackedWeight {
 // y[m, n] = x[m, k] @ w^T, rows independent: a row's result is bitwise the same whatever m and the thread
 // count. x is quantized per block of 32 to 16-bit integers (see packed_matmul.cpp); sums are exact integers
 // per block, then float32. Returns -1 when this build cannot run it.
-// 1 when kvflow_packed_matmul takes many rows through AMX int8 tiles (built for and granted AMX), else 0.
-int kvflow_packed_matmul_uses_amx(void);
-
 int kvflow_packed_matmul(const KvflowPackedWeight* w, const float* x, int64_t x_stride, int m, float* y,
                          int64_t y_stride, int num_threads);
 

@@ -284,14 +284,6 @@ void amx_groups(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const R
 
 }  // namespace
 
-extern "C" int kvflow_packed_matmul_uses_amx(void) {
-#ifdef KVFLOW_HAVE_AMX
-  return amx_ready() ? 1 : 0;
-#else
-  return 0;
-#endif
-}
-
 extern "C" int kvflow_packed_matmul(const KvflowPackedWeight* w, const float* x, int64_t x_stride, int m, float* y,
                                     int64_t y_stride, int num_threads) {
 #ifdef KVFLOW_HAVE_VNNI
