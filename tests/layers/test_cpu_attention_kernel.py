@@ -32,7 +32,9 @@ def run_kernel(batch, scale=0.125):
 
 @pytest.mark.parametrize("seq_lens", [[1], [37], [128], [129], [1000, 3, 513]])
 @pytest.mark.parametrize("group", [1, 3, 8, 16])
-@pytest.mark.parametrize("head_dim", [64, 40])  # 40: not a multiple of the vector width, the plain loops
+# 64 and 128: the fixed-size paths (positions scored in fours / pairs, value heads in passes of 4 / 2);
+# 40: not a multiple of the vector width, the plain loops.
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
 def test_decode_matches_reference(seq_lens, group, head_dim):
     batch = make_paged_batch(seq_lens, [1] * len(seq_lens), num_kv_heads=2, group=group, head_dim=head_dim,
                              block_size=16, dtype=torch.float32, device=CPU)
@@ -41,17 +43,18 @@ def test_decode_matches_reference(seq_lens, group, head_dim):
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
-def test_half_cache_matches_reference_on_rounded_values(cache_dtype):
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_half_cache_matches_reference_on_rounded_values(cache_dtype, head_dim):
     """A 16-bit cache: the kernel widens stored values exactly, so the reference on the same rounded values
     agrees to float32 accuracy; new k/v are rounded on store exactly as torch's copy rounds them."""
-    batch = make_paged_batch([300, 20], [1, 1], num_kv_heads=3, group=3, head_dim=64, block_size=16,
+    batch = make_paged_batch([300, 21], [1, 1], num_kv_heads=3, group=3, head_dim=head_dim, block_size=16,
                              dtype=torch.float32, device=CPU, cache_dtype=cache_dtype)
     new_k = batch.k.clone()
     batch.k, batch.v = batch.k.to(cache_dtype).float(), batch.v.to(cache_dtype).float()
     expected = batch.reference_output(scale=0.125)
     batch.k = new_k  # the kernel gets the unrounded rows and must round them itself
     torch.testing.assert_close(run_kernel(batch), expected, rtol=1e-5, atol=1e-5)
-    stored = batch.k_cache.view(-1, 3, 64)[batch.slot_mapping]
+    stored = batch.k_cache.view(-1, 3, head_dim)[batch.slot_mapping]
     assert torch.equal(stored, new_k.to(cache_dtype))
 
 
