@@ -1,7 +1,8 @@
 """pp512 of kvflow (default fast mode) against transformers in bf16 and float32 on the same GGUF weights.
 
-Both run the same 512 random tokens through one forward pass (no generation), same thread count, in one
-process, alternating, and report the median of the repetitions.
+Both run the same 512 random tokens through one forward pass, same thread count, in one process, and
+report the median of the repetitions. kvflow's pass goes through its engine (one request, max_tokens=1,
+prefix caching off): the prefill a user gets, with its KV cache, attention backend and many-row path.
 
     python benchmarks/prefill_vs_transformers.py [--threads 2] [--tokens 512] [--reps 5] [--record]
 """
@@ -37,21 +38,17 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from kvflow.config import ModelConfig
-    from kvflow.layers.attention.metadata import AttentionMetadata
-    from kvflow.loader.model_loader import load_model
+    from kvflow import LLM, SamplingParams
 
-    ours = load_model(ModelConfig(max_model_len=args.tokens + 16, threads=args.threads))
-    gguf = ours.resolved.path
+    llm = LLM(max_model_len=args.tokens + 16, threads=args.threads, enable_prefix_caching=False)
+    gguf = llm.engine.loaded.resolved.path
     ids = torch.randint(100, 20000, (args.tokens,), generator=torch.Generator().manual_seed(0))
-    meta = AttentionMetadata.for_prompts([args.tokens])
+    one_token = SamplingParams(temperature=0, max_tokens=1)
 
     def kvflow_pass() -> None:
-        with torch.inference_mode():
-            hidden = ours.model(ids, torch.arange(args.tokens), meta)
-            ours.model.compute_logits(hidden[-1:])
+        llm.generate([{"prompt_token_ids": ids.tolist()}], one_token)
 
-    rows = [("kvflow (default: packed Q4_1, AMX prefill)", median_seconds(kvflow_pass, args.reps))]
+    rows = [("kvflow (default: packed Q4_1, AMX prefill, many-row path)", median_seconds(kvflow_pass, args.reps))]
     for dtype in (torch.bfloat16, torch.float32):
         hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype).eval()
 

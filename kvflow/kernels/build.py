@@ -21,8 +21,8 @@ from pathlib import Path
 
 log = logging.getLogger("kvflow")
 
-SOURCES = ("paged_attention.cpp", "packed_matmul.cpp", "decoder_step.cpp")
-HEADERS = ("kvflow_cpu.h", "vector_exp.h")
+SOURCES = ("paged_attention.cpp", "packed_matmul.cpp", "decoder_step.cpp", "many_rows.cpp")
+HEADERS = ("kvflow_cpu.h", "vector_exp.h", "row_ops.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
 

@@ -2,10 +2,12 @@
 
 `FusedDecoderStep.for_model(model)` describes a Llama-family model whose projections are all
 PackedLinear to the C++ code once (weight pointers, norms, rotary tables); the model then hands it every
-step of at most `max_rows` rows. Steps it does not take (more rows, an unbound cache, index dtypes the
-kernel does not read) return None and run through the PyTorch layers, whose prefill multiplies
-bfloat16 copies of the weights on AMX (oneDNN): at 64 rows and more that is faster than the packed
-kernel, even on AMX int8 tiles (benchmarks/bench_quant_linear.py).
+step. Steps of at most `max_rows` rows run in that one call. Steps of many_rows.MIN_ROWS rows or more,
+once the fast mode has made bfloat16 copies of the weights, go to kernels/many_rows: oneDNN matmuls on
+AMX (at 64 rows and more faster than the packed kernel, even on AMX int8 tiles:
+benchmarks/bench_quant_linear.py) with the C++ elementwise ops between them. Steps it does not take (the
+rows between, an unbound cache, index dtypes the kernel does not read) return None and run through the
+PyTorch layers.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import functools
 import torch
 from torch import nn
 
-from kvflow.kernels import build, cpu_attention
+from kvflow.kernels import build, cpu_attention, many_rows
 from kvflow.kernels.packed_matmul import PackedWeightStruct
 from kvflow.layers.attention.metadata import AttentionMetadata
 
@@ -70,6 +72,17 @@ class FusedDecoderStep:
         self._struct: DecoderStruct | None = None
         self._layers = None
         self._keep: list[torch.Tensor] = []
+        self._many_rows: bool | None = None  # whether many_rows can run: known once the bf16 copies exist
+
+    @property
+    def struct(self) -> DecoderStruct | None:
+        """The model as the C++ code reads it, for the cache last bound (None before the first bind)."""
+        return self._struct
+
+    def _many_rows_supported(self) -> bool:
+        if self._many_rows is None:
+            self._many_rows = many_rows.supports(self.model)
+        return self._many_rows
 
     @classmethod
     def for_model(cls, model: nn.Module) -> FusedDecoderStep | None:
@@ -79,13 +92,18 @@ class FusedDecoderStep:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         """Final-norm hidden states [T, hidden] float32, or None for a step the fused path does not take."""
         rows = input_ids.shape[0]
-        if rows == 0 or rows > self.max_rows or positions.dtype != torch.int64 or not positions.is_contiguous():
+        many = rows > self.max_rows
+        if rows == 0 or positions.dtype != torch.int64 or not positions.is_contiguous():
+            return None
+        if many and (rows < many_rows.MIN_ROWS or not self._many_rows_supported()):
             return None
         if meta.slot_mapping is None or meta.block_tables is None or not self._bind():
             return None  # no cache to attend through (one-shot scoring), or none bound yet
         step = cpu_attention.step_args(meta)
         if step is None:
             return None
+        if many:
+            return many_rows.forward(self, input_ids, positions, meta)
         slots, _, query_start, seq_lens, tables, table_stride, num_seqs = step
         hidden = self.model.embed_tokens(input_ids).float().contiguous()
         args = StepStruct(slots, query_start, seq_lens, tables, table_stride, num_seqs)

@@ -10,67 +10,17 @@
 #include <vector>
 
 #include "kvflow_cpu.h"
-#include "vector_exp.h"
+#include "row_ops.h"
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+using kvflow::rms_norm;
+using kvflow::rotate;
+using kvflow::silu_mul;
 
 namespace {
 
 struct Buffers {
   std::vector<float> normed, qkv, attn, proj, gate_up, act;
 };
-
-// y = x / sqrt(mean(x^2) + eps) * weight, per row of `width`.
-void rms_norm(const float* x, const float* weight, float* y, int rows, int width, float eps) {
-  for (int r = 0; r < rows; ++r) {
-    const float* xr = x + static_cast<int64_t>(r) * width;
-    float* yr = y + static_cast<int64_t>(r) * width;
-    int i = 0;
-    float total = 0.f;
-#ifdef __AVX512F__
-    __m512 acc = _mm512_setzero_ps();
-    for (; i + 16 <= width; i += 16) {
-      const __m512 v = _mm512_loadu_ps(xr + i);
-      acc = _mm512_fmadd_ps(v, v, acc);
-    }
-    total = _mm512_reduce_add_ps(acc);
-#endif
-    for (; i < width; ++i) total += xr[i] * xr[i];
-    const float inv = 1.f / std::sqrt(total / static_cast<float>(width) + eps);
-    for (int j = 0; j < width; ++j) yr[j] = xr[j] * inv * weight[j];
-  }
-}
-
-// Rotate-half (NeoX) rotary embedding of `heads` heads at `pos`, in place.
-void rotate(float* x, int heads, int d, const float* cos, const float* sin) {
-  const int half = d / 2;
-  for (int h = 0; h < heads; ++h) {
-    float* v = x + h * d;
-    for (int i = 0; i < half; ++i) {
-      const float a = v[i], b = v[i + half];
-      v[i] = a * cos[i] - b * sin[i];
-      v[i + half] = b * cos[i + half] + a * sin[i + half];
-    }
-  }
-}
-
-inline float silu(float g) { return g / (1.f + std::exp(-g)); }
-
-// a[j] = silu(gate[j]) * up[j] for one row.
-void silu_mul(const float* gate, const float* up, float* a, int n) {
-  int j = 0;
-#ifdef __AVX512F__
-  const __m512 one = _mm512_set1_ps(1.f);
-  for (; j + 16 <= n; j += 16) {
-    const __m512 g = _mm512_loadu_ps(gate + j);
-    const __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-    _mm512_storeu_ps(a + j, _mm512_mul_ps(s, _mm512_loadu_ps(up + j)));
-  }
-#endif
-  for (; j < n; ++j) a[j] = silu(gate[j]) * up[j];
-}
 
 }  // namespace
 

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "kvflow_cpu.h"
-#include "vector_exp.h"
+#include "row_ops.h"
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -26,20 +26,8 @@ constexpr int kChunk = 128;  // positions per work item
 // memory (about 25% slower at depth 4096 here). 8, 16, 24 and 32 measured alike within noise, 48 worse.
 constexpr int kPrefetchAhead = 16;
 
-inline float bf16_to_float(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch does
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
+using kvflow::bf16_to_float;
+using kvflow::float_to_bf16;
 
 // Dot products and row updates over head_dim values, float32 or bfloat16 storage. With AVX-512 the
 // sum of a dot product is a tree over vector lanes; a plain loop would make the compiler add the 16
