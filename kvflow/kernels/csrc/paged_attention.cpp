@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "kvflow_cpu.h"
@@ -21,6 +22,7 @@
 namespace {
 
 constexpr int kChunk = 128;  // positions per work item
+constexpr int kRowBlock = 16;  // consecutive query rows of one sequence per work item (prefill)
 // How many positions ahead the fixed-size path asks for K rows. The rows of one KV head sit one token
 // stride apart, a pattern the hardware prefetcher follows poorly; without this the kernel waits on
 // memory (about 25% slower at depth 4096 here). 8, 16, 24 and 32 measured alike within noise, 48 worse.
@@ -98,6 +100,19 @@ struct Shape {
   float scale;
 };
 
+// The largest of x[0, n) (a vector max: a scalar loop waits on each compare).
+inline float largest(const float* x, int n) {
+  int i = 0;
+  float m = -INFINITY;
+#ifdef __AVX512F__
+  __m512 mv = _mm512_set1_ps(-INFINITY);
+  for (; i + 16 <= n; i += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(x + i));
+  m = _mm512_reduce_max_ps(mv);
+#endif
+  for (; i < n; ++i) m = x[i] > m ? x[i] : m;
+  return m;
+}
+
 // exp(x[i] - m) in place, returning the sum. Inputs are <= 0 after subtracting the max.
 inline float exp_shifted_sum(float* x, int n, float m) {
   int i = 0;
@@ -119,6 +134,18 @@ inline float exp_shifted_sum(float* x, int n, float m) {
   return total;
 }
 
+// Where each position [lo, lo + n) of a sequence starts in the cache (in elements), through its block
+// table: one division for the chunk, then a walk (a division per position would cost as much as scoring
+// it for short heads).
+inline void chunk_offsets(const int32_t* table, int lo, int n, int block_size, int64_t token_stride,
+                          int64_t* offsets) {
+  int block = lo / block_size, within = lo - block * block_size;
+  for (int p = 0; p < n; ++p) {
+    offsets[p] = (static_cast<int64_t>(table[block]) * block_size + within) * token_stride;
+    if (++within == block_size) within = 0, ++block;
+  }
+}
+
 // One chunk of one sequence: scores of all query heads over positions [lo, hi), then softmax-weighted
 // V. Loops run per (KV head, query head) over positions, so the query (or output) row stays in
 // registers and the chunk's K/V rows of that KV head, read from memory once, are re-read from L1 by
@@ -129,19 +156,14 @@ void attend_chunk(const float* q, const T* k_cache, const T* v_cache, const int3
                   const Shape& s, float* scores, int64_t* offsets, float* max_out, float* sum_out, float* acc_out) {
   const int d = s.head_dim, g = s.group, hkv = s.num_kv_heads, n = hi - lo;
   const int64_t token_stride = static_cast<int64_t>(hkv) * d;
-  for (int p = 0; p < n; ++p) {  // where each position's row starts in the cache, found once
-    const int pos = lo + p;
-    const int64_t slot = static_cast<int64_t>(table[pos / s.block_size]) * s.block_size + pos % s.block_size;
-    offsets[p] = slot * token_stride;
-  }
+  chunk_offsets(table, lo, n, s.block_size, token_stride, offsets);
   for (int kv = 0; kv < hkv; ++kv) {
     for (int j = 0; j < g; ++j) {
       const int h = kv * g + j;
       float* sc = scores + h * kChunk;
       for (int p = 0; p < n; ++p)
         sc[p] = dot(q + h * d, k_cache + offsets[p] + kv * d, d) * s.scale;
-      float m = -INFINITY;
-      for (int p = 0; p < n; ++p) m = sc[p] > m ? sc[p] : m;
+      const float m = largest(sc, n);
       max_out[h] = m;
       sum_out[h] = exp_shifted_sum(sc, n, m);
     }
@@ -191,93 +213,91 @@ inline void weighted_values(const T* v_head, const int64_t* offsets, int n, cons
     for (int v = 0; v < V; ++v) _mm512_storeu_ps(acc_out + j * D + 16 * v, acc[j][v]);
 }
 
-// attend_chunk for a head size known at compile time (64, 128). Per KV head, each K row is widened
+// attend_chunk for a head size known at compile time (64, 128), one KV head: its K rows are widened
 // once and scored against every query head of its group (P positions at a time: independent FMA chains
-// and one shuffle reduction), then each V row once for up to kHeadsPerPass heads.
+// and one shuffle reduction), then each V row once for up to kHeadsPerPass heads. offsets[0, n) locate
+// the chunk's positions (chunk_offsets); q, max_out, sum_out and acc_out are the row's, for all heads.
+template <typename T, int D>
+void attend_kv_head(const float* q, const T* k_cache, const T* v_cache, const int64_t* offsets, int n, int kv,
+                    const Shape& s, float* scores, float* max_out, float* sum_out, float* acc_out) {
+  constexpr int V = D / 16;
+  constexpr int P = D == 64 ? 4 : 2;                // positions scored together: P * V widened rows in registers
+  constexpr int kHeadsPerPass = D == 64 ? 4 : 2;    // J * V accumulators + V widened values in registers
+  const int g = s.group;
+  const __m128 scale4 = _mm_set1_ps(s.scale);
+  const __m512 zero = _mm512_setzero_ps();
+  const T* k_head = k_cache + kv * D;
+  const T* v_head = v_cache + kv * D;
+  const float* q_group = q + static_cast<int64_t>(kv) * g * D;
+  float* sc_group = scores + kv * g * kChunk;
+  int p = 0;
+  for (; p + P <= n; p += P) {
+    {  // fetch K rows ahead, and this chunk's V rows for the weighted sum
+      constexpr int kLines = (D * static_cast<int>(sizeof(T)) + 63) / 64;
+      for (int i = 0; i < P; ++i) {
+        const int ahead = p + i + kPrefetchAhead < n ? p + i + kPrefetchAhead : p + i;
+        const char* k_next = reinterpret_cast<const char*>(k_head + offsets[ahead]);
+        const char* v_row = reinterpret_cast<const char*>(v_head + offsets[p + i]);
+        for (int line = 0; line < kLines; ++line) {
+          _mm_prefetch(k_next + 64 * line, _MM_HINT_T0);
+          _mm_prefetch(v_row + 64 * line, _MM_HINT_T0);
+        }
+      }
+    }
+    __m512 k[P][V];
+    for (int i = 0; i < P; ++i)
+      for (int v = 0; v < V; ++v) k[i][v] = load16(k_head + offsets[p + i] + 16 * v);
+    for (int j = 0; j < g; ++j) {
+      const float* qj = q_group + j * D;
+      __m512 a[P];
+      for (int i = 0; i < P; ++i) {
+        a[i] = _mm512_mul_ps(_mm512_loadu_ps(qj), k[i][0]);
+        for (int v = 1; v < V; ++v) a[i] = _mm512_fmadd_ps(_mm512_loadu_ps(qj + 16 * v), k[i][v], a[i]);
+      }
+      float* sc = sc_group + j * kChunk + p;
+      if constexpr (P == 4) {
+        _mm_storeu_ps(sc, _mm_mul_ps(reduce4(a[0], a[1], a[2], a[3]), scale4));
+      } else {
+        _mm_storel_pi(reinterpret_cast<__m64*>(sc), _mm_mul_ps(reduce4(a[0], a[1], zero, zero), scale4));
+      }
+    }
+  }
+  for (; p < n; ++p) {
+    const T* k = k_head + offsets[p];
+    for (int j = 0; j < g; ++j) {
+      const float* qj = q_group + j * D;
+      __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qj), load16(k));
+      for (int v = 1; v < V; ++v) a = _mm512_fmadd_ps(_mm512_loadu_ps(qj + 16 * v), load16(k + 16 * v), a);
+      sc_group[j * kChunk + p] = _mm512_reduce_add_ps(a) * s.scale;
+    }
+  }
+  for (int j = 0; j < g; ++j) {
+    const int h = kv * g + j;
+    float* sc = sc_group + j * kChunk;
+    const float m = largest(sc, n);
+    max_out[h] = m;
+    sum_out[h] = exp_shifted_sum(sc, n, m);
+  }
+  for (int j0 = 0; j0 < g; j0 += kHeadsPerPass) {
+    const float* sc = sc_group + j0 * kChunk;
+    float* out = acc_out + static_cast<int64_t>(kv * g + j0) * D;
+    switch (g - j0 < kHeadsPerPass ? g - j0 : kHeadsPerPass) {
+      case 1: weighted_values<T, D, 1>(v_head, offsets, n, sc, out); break;
+      case 2: weighted_values<T, D, 2>(v_head, offsets, n, sc, out); break;
+      case 3: weighted_values<T, D, (kHeadsPerPass >= 3 ? 3 : 1)>(v_head, offsets, n, sc, out); break;
+      default: weighted_values<T, D, kHeadsPerPass>(v_head, offsets, n, sc, out); break;
+    }
+  }
+}
+
+// attend_chunk for a head size known at compile time: every KV head of one row.
 template <typename T, int D>
 void attend_chunk_fixed(const float* q, const T* k_cache, const T* v_cache, const int32_t* table, int lo, int hi,
                         const Shape& s, float* scores, int64_t* offsets, float* max_out, float* sum_out,
                         float* acc_out) {
-  constexpr int V = D / 16;
-  constexpr int P = D == 64 ? 4 : 2;                // positions scored together: P * V widened rows in registers
-  constexpr int kHeadsPerPass = D == 64 ? 4 : 2;    // J * V accumulators + V widened values in registers
-  const int g = s.group, hkv = s.num_kv_heads, n = hi - lo;
-  const int64_t token_stride = static_cast<int64_t>(hkv) * D;
-  for (int p = 0; p < n; ++p) {
-    const int pos = lo + p;
-    const int64_t slot = static_cast<int64_t>(table[pos / s.block_size]) * s.block_size + pos % s.block_size;
-    offsets[p] = slot * token_stride;
-  }
-  const __m128 scale4 = _mm_set1_ps(s.scale);
-  const __m512 zero = _mm512_setzero_ps();
-  for (int kv = 0; kv < hkv; ++kv) {
-    const T* k_head = k_cache + kv * D;
-    const T* v_head = v_cache + kv * D;
-    const float* q_group = q + static_cast<int64_t>(kv) * g * D;
-    float* sc_group = scores + kv * g * kChunk;
-    int p = 0;
-    for (; p + P <= n; p += P) {
-      {  // fetch K rows ahead, and this chunk's V rows for the weighted sum
-        constexpr int kLines = (D * static_cast<int>(sizeof(T)) + 63) / 64;
-        for (int i = 0; i < P; ++i) {
-          const int ahead = p + i + kPrefetchAhead < n ? p + i + kPrefetchAhead : p + i;
-          const char* k_next = reinterpret_cast<const char*>(k_head + offsets[ahead]);
-          const char* v_row = reinterpret_cast<const char*>(v_head + offsets[p + i]);
-          for (int line = 0; line < kLines; ++line) {
-            _mm_prefetch(k_next + 64 * line, _MM_HINT_T0);
-            _mm_prefetch(v_row + 64 * line, _MM_HINT_T0);
-          }
-        }
-      }
-      __m512 k[P][V];
-      for (int i = 0; i < P; ++i)
-        for (int v = 0; v < V; ++v) k[i][v] = load16(k_head + offsets[p + i] + 16 * v);
-      for (int j = 0; j < g; ++j) {
-        const float* qj = q_group + j * D;
-        __m512 a[P];
-        for (int i = 0; i < P; ++i) {
-          a[i] = _mm512_mul_ps(_mm512_loadu_ps(qj), k[i][0]);
-          for (int v = 1; v < V; ++v) a[i] = _mm512_fmadd_ps(_mm512_loadu_ps(qj + 16 * v), k[i][v], a[i]);
-        }
-        float* sc = sc_group + j * kChunk + p;
-        if constexpr (P == 4) {
-          _mm_storeu_ps(sc, _mm_mul_ps(reduce4(a[0], a[1], a[2], a[3]), scale4));
-        } else {
-          _mm_storel_pi(reinterpret_cast<__m64*>(sc), _mm_mul_ps(reduce4(a[0], a[1], zero, zero), scale4));
-        }
-      }
-    }
-    for (; p < n; ++p) {
-      const T* k = k_head + offsets[p];
-      for (int j = 0; j < g; ++j) {
-        const float* qj = q_group + j * D;
-        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qj), load16(k));
-        for (int v = 1; v < V; ++v) a = _mm512_fmadd_ps(_mm512_loadu_ps(qj + 16 * v), load16(k + 16 * v), a);
-        sc_group[j * kChunk + p] = _mm512_reduce_add_ps(a) * s.scale;
-      }
-    }
-    for (int j = 0; j < g; ++j) {
-      const int h = kv * g + j;
-      float* sc = sc_group + j * kChunk;
-      __m512 mv = _mm512_set1_ps(-INFINITY);
-      int i = 0;
-      for (; i + 16 <= n; i += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sc + i));
-      float m = _mm512_reduce_max_ps(mv);
-      for (; i < n; ++i) m = sc[i] > m ? sc[i] : m;
-      max_out[h] = m;
-      sum_out[h] = exp_shifted_sum(sc, n, m);
-    }
-    for (int j0 = 0; j0 < g; j0 += kHeadsPerPass) {
-      const float* sc = sc_group + j0 * kChunk;
-      float* out = acc_out + static_cast<int64_t>(kv * g + j0) * D;
-      switch (g - j0 < kHeadsPerPass ? g - j0 : kHeadsPerPass) {
-        case 1: weighted_values<T, D, 1>(v_head, offsets, n, sc, out); break;
-        case 2: weighted_values<T, D, 2>(v_head, offsets, n, sc, out); break;
-        case 3: weighted_values<T, D, (kHeadsPerPass >= 3 ? 3 : 1)>(v_head, offsets, n, sc, out); break;
-        default: weighted_values<T, D, kHeadsPerPass>(v_head, offsets, n, sc, out); break;
-      }
-    }
-  }
+  chunk_offsets(table, lo, hi - lo, s.block_size, static_cast<int64_t>(s.num_kv_heads) * D, offsets);
+  for (int kv = 0; kv < s.num_kv_heads; ++kv)
+    attend_kv_head<T, D>(q, k_cache, v_cache, offsets, hi - lo, kv, s, scores, max_out, sum_out, acc_out);
 }
 #endif
 
@@ -294,6 +314,43 @@ void attend(const float* q, const T* k_cache, const T* v_cache, const int32_t* t
                                       acc_out);
 #endif
   attend_chunk(q, k_cache, v_cache, table, lo, hi, s, scores, offsets, max_out, sum_out, acc_out);
+}
+
+// Several consecutive rows of one sequence (a prefill chunk's queries) over one chunk of positions:
+// the positions are located once, and per KV head the rows take turns while its K/V rows sit in L1.
+// Each row runs the same code as alone (attend_kv_head), so its result is bitwise the same. Rows whose
+// context ends before the chunk are skipped. part_at[i] is where row i's partial results go.
+template <typename T>
+void attend_rows(const float* const* q_rows, const int* contexts, const size_t* part_at, int count,
+                 const T* k_cache, const T* v_cache, const int32_t* table, int lo, const Shape& s, float* scores,
+                 int64_t* offsets, float* part_max, float* part_sum, float* part_acc) {
+  const int d = s.head_dim;
+  auto rows_with_kv_heads = [&](auto head_dim) {
+    constexpr int D = decltype(head_dim)::value;
+    int longest = 0;
+    for (int i = 0; i < count; ++i) longest = contexts[i] > longest ? contexts[i] : longest;
+    const int n_max = (longest < lo + kChunk ? longest : lo + kChunk) - lo;
+    chunk_offsets(table, lo, n_max, s.block_size, static_cast<int64_t>(s.num_kv_heads) * D, offsets);
+    for (int kv = 0; kv < s.num_kv_heads; ++kv)
+      for (int i = 0; i < count; ++i) {
+        if (contexts[i] <= lo) continue;
+        const int n = (contexts[i] < lo + kChunk ? contexts[i] : lo + kChunk) - lo;
+        const size_t at = part_at[i];
+        attend_kv_head<T, D>(q_rows[i], k_cache, v_cache, offsets, n, kv, s, scores, part_max + at, part_sum + at,
+                             part_acc + at * d);
+      }
+  };
+#ifdef __AVX512F__
+  if (d == 64) return rows_with_kv_heads(std::integral_constant<int, 64>());
+  if (d == 128) return rows_with_kv_heads(std::integral_constant<int, 128>());
+#endif
+  for (int i = 0; i < count; ++i) {
+    if (contexts[i] <= lo) continue;
+    const int hi = contexts[i] < lo + kChunk ? contexts[i] : lo + kChunk;
+    const size_t at = part_at[i];
+    attend(q_rows[i], k_cache, v_cache, table, lo, hi, s, scores, offsets, part_max + at, part_sum + at,
+           part_acc + at * d);
+  }
 }
 
 template <typename T>
@@ -320,32 +377,48 @@ void run(const float* q, int64_t q_stride, const float* k_new, int64_t k_stride,
     for (int r = 0; r < qlen; ++r) rows.push_back({query_start[b] + r, b, seq_lens[b] - qlen + r + 1});
   }
   const int num_rows = static_cast<int>(rows.size());
-  std::vector<int> first_chunk(num_rows + 1, 0), item_row;
-  for (int i = 0; i < num_rows; ++i) {
-    first_chunk[i] = static_cast<int>(item_row.size());
-    item_row.insert(item_row.end(), (rows[i].context + kChunk - 1) / kChunk, i);
+  std::vector<int> first_chunk(num_rows + 1, 0);
+  for (int i = 0; i < num_rows; ++i) first_chunk[i + 1] = first_chunk[i] + (rows[i].context + kChunk - 1) / kChunk;
+  const int total_chunks = first_chunk[num_rows];
+  // Work items: a chunk of positions for a run of up to kRowBlock consecutive rows of one sequence (a
+  // one-token query is a run of one). Row i's result for its chunk c lands at first_chunk[i] + c.
+  struct Item { int first_row, count, chunk; };
+  std::vector<Item> items;
+  for (int i = 0; i < num_rows;) {
+    int end = i + 1;
+    while (end < num_rows && end - i < kRowBlock && rows[end].seq == rows[i].seq) ++end;
+    const int chunks = (rows[end - 1].context + kChunk - 1) / kChunk;  // the run's last row sees the most
+    for (int c = 0; c < chunks; ++c) items.push_back({i, end - i, c});
+    i = end;
   }
-  const int total_chunks = static_cast<int>(item_row.size());
-  first_chunk[num_rows] = total_chunks;
-  // Partial results per (chunk, query head): max, sum, acc[d].
+  const int num_items = static_cast<int>(items.size());
+  // Partial results per (row's chunk, query head): max, sum, acc[d].
   std::vector<float> part_max(static_cast<size_t>(total_chunks) * hq);
   std::vector<float> part_sum(static_cast<size_t>(total_chunks) * hq);
   std::vector<float> part_acc(static_cast<size_t>(total_chunks) * hq * d);
   // Waking a thread team costs microseconds: short contexts run on the calling thread. The split into
   // chunks, and so the result, is the same either way.
-  const int team = total_chunks >= 4 ? num_threads : 1;
+  const int team = num_items >= 4 ? num_threads : 1;
 #pragma omp parallel num_threads(team) if (team > 1)
   {
     std::vector<float> scores(static_cast<size_t>(kChunk) * hq);
     std::vector<int64_t> offsets(kChunk);
+    const float* q_rows[kRowBlock];
+    int contexts[kRowBlock];
+    size_t part_at[kRowBlock];
 #pragma omp for schedule(dynamic, 1)
-    for (int i = 0; i < total_chunks; ++i) {
-      const Row& row = rows[item_row[i]];
-      const int lo = (i - first_chunk[item_row[i]]) * kChunk;
-      const int hi = row.context < lo + kChunk ? row.context : lo + kChunk;
-      const size_t at = static_cast<size_t>(i) * hq;
-      attend(q + row.out_row * q_stride, k_cache, v_cache, tables + row.seq * s.table_stride, lo, hi, s,
-             scores.data(), offsets.data(), &part_max[at], &part_sum[at], &part_acc[at * d]);
+    for (int it = 0; it < num_items; ++it) {
+      const Item& item = items[it];
+      for (int r = 0; r < item.count; ++r) {
+        const Row& row = rows[item.first_row + r];
+        q_rows[r] = q + row.out_row * q_stride;
+        contexts[r] = row.context;
+        part_at[r] = static_cast<size_t>(first_chunk[item.first_row + r] + item.chunk) * hq;
+      }
+      const Row& first = rows[item.first_row];
+      attend_rows(q_rows, contexts, part_at, item.count, k_cache, v_cache, tables + first.seq * s.table_stride,
+                  item.chunk * kChunk, s, scores.data(), offsets.data(), part_max.data(), part_sum.data(),
+                  part_acc.data());
     }
   }
   // Merge each row's chunks in order.
