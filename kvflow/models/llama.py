@@ -137,7 +137,10 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn for layer in self.layers]
+        # Built once: the model runner reads it every step.
+        if getattr(self, "_attention_layers", None) is None:
+            self._attention_layers = [layer.self_attn for layer in self.layers]
+        return self._attention_layers
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into our parameters, fusing q/k/v and gate/up."""
