@@ -72,7 +72,7 @@ class FusedDecoderStep:
         self._struct: DecoderStruct | None = None
         self._layers = None
         self._keep: list[torch.Tensor] = []
-        self._many_rows: bool | None = None  # whether many_rows can run: known once the bf16 copies exist
+        self._many_rows = False  # whether many_rows can run (once the bf16 copies exist)
 
     @property
     def struct(self) -> DecoderStruct | None:
@@ -80,7 +80,7 @@ class FusedDecoderStep:
         return self._struct
 
     def _many_rows_supported(self) -> bool:
-        if self._many_rows is None:
+        if not self._many_rows:  # asked again until the bf16 copies exist; then kept
             self._many_rows = many_rows.supports(self.model)
         return self._many_rows
 

@@ -51,8 +51,11 @@ def supports(model: torch.nn.Module) -> bool:
 
 
 def forward(fused: FusedDecoderStep, input_ids: torch.Tensor, positions: torch.Tensor,
-            meta: AttentionMetadata) -> torch.Tensor:
-    """Final-norm hidden states [T, hidden] float32 of a step whose structs `fused` has bound."""
+            meta: AttentionMetadata) -> torch.Tensor | None:
+    """Final-norm hidden states [T, hidden] float32 of a step whose structs `fused` has bound, or None for
+    a step whose metadata does not give every row a query (attention would leave such rows unset)."""
+    if sum(meta.query_lens_cpu) != input_ids.shape[0]:
+        return None
     add_norm, qkv_rotary, silu_mul = _ops()
     model, threads = fused.model, torch.get_num_threads()
     arch = model.arch

@@ -115,9 +115,10 @@ def test_refuses_what_it_cannot_take():
     assert not cpu_attention.supports(batch.q, batch.k, batch.v, batch.k_cache, metadata(batch))
 
 
-def test_all_rows_match_reference_in_a_mixed_step():
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
+def test_all_rows_match_reference_in_a_mixed_step(head_dim):
     """all_rows: prefill rows (a fresh prompt, a chunk after cached context) and decode rows alike."""
-    batch = make_paged_batch([40, 21, 9, 300], [7, 1, 9, 130], num_kv_heads=2, group=3, head_dim=64,
+    batch = make_paged_batch([40, 21, 9, 300], [7, 1, 9, 130], num_kv_heads=2, group=3, head_dim=head_dim,
                              block_size=16, dtype=torch.float32, device=CPU)
     expected = batch.reference_output(scale=0.125)
     out = torch.zeros(batch.q.shape)
@@ -126,11 +127,13 @@ def test_all_rows_match_reference_in_a_mixed_step():
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_all_rows_result_does_not_depend_on_chunking():
-    """A 300-token prompt attended in one step, or as a 100-token chunk then a 200-token one over the
-    cached first part: every row bitwise equal (rows are computed one by one, in fixed chunks)."""
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
+def test_all_rows_result_does_not_depend_on_chunking(head_dim):
+    """A 300-token prompt attended in one step, or as chunks of 100 and 200 tokens (the second over the
+    cached first part), or one token at a time, on 2 threads or 1: every row bitwise equal. Rows are
+    grouped 16 at a time per chunk of positions, but each row's arithmetic is its own."""
     torch.manual_seed(0)
-    hkv, group, d, block, n = 2, 3, 64, 16, 300
+    hkv, group, d, block, n = 2, 3, head_dim, 16, 300
     q, k, v = torch.randn(n, hkv * group, d), torch.randn(n, hkv, d), torch.randn(n, hkv, d)
     blocks = -(-n // block)
     table = torch.randperm(blocks + 4)[:blocks].to(torch.int32)[None]
@@ -151,3 +154,11 @@ def test_all_rows_result_does_not_depend_on_chunking():
     kc, vc = torch.zeros(shape, dtype=torch.float16), torch.zeros(shape, dtype=torch.float16)
     split = torch.cat([step(0, 100, kc, vc), step(100, n, kc, vc)])
     assert torch.equal(whole, split)
+    kc, vc = torch.zeros(shape, dtype=torch.float16), torch.zeros(shape, dtype=torch.float16)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one_by_one = torch.cat([step(i, i + 1, kc, vc) for i in range(n)])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(whole, one_by_one)

@@ -5,8 +5,10 @@
 #include "kvflow_cpu.h"
 #include "row_ops.h"
 
+#ifdef __AVX512F__
 using kvflow::load16f;
 using kvflow::store16f;
+#endif
 
 namespace {
 

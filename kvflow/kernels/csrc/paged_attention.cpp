@@ -2,10 +2,12 @@
 //
 // Stores the step's new K/V rows into their cache slots, then, for every sequence whose query this
 // step is a single token (or for every query row, when asked), attends over its context through its
-// block table. Each K/V byte is read once per step and widened once: the query heads that share a KV
-// head (grouped-query attention) are scored together. Work is split into fixed chunks of positions, so a long context keeps every thread busy,
-// and the chunks' partial softmax results are merged in a fixed order: a sequence's result depends on
-// nothing but its own inputs (not on the batch, nor on the thread count).
+// block table. For a one-token query each K/V byte is read once per step and, with head sizes 64 and
+// 128, widened once: the query heads that share a KV head (grouped-query attention) are scored together.
+// A prefill chunk's rows go 16 at a time over each chunk of positions, sharing what is cached. Work is
+// split into fixed chunks of positions, so a long context keeps every thread busy, and the chunks'
+// partial softmax results are merged in a fixed order: a row's result depends on nothing but its own
+// inputs (not on the batch, the rows beside it, nor the thread count).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -317,7 +319,8 @@ void attend(const float* q, const T* k_cache, const T* v_cache, const int32_t* t
 }
 
 // Several consecutive rows of one sequence (a prefill chunk's queries) over one chunk of positions:
-// the positions are located once, and per KV head the rows take turns while its K/V rows sit in L1.
+// the positions are located once, and per KV head the rows take turns while its K/V rows are still in
+// cache (L1, or L2 for larger heads).
 // Each row runs the same code as alone (attend_kv_head), so its result is bitwise the same. Rows whose
 // context ends before the chunk are skipped. part_at[i] is where row i's partial results go.
 template <typename T>
@@ -325,6 +328,7 @@ void attend_rows(const float* const* q_rows, const int* contexts, const size_t* 
                  const T* k_cache, const T* v_cache, const int32_t* table, int lo, const Shape& s, float* scores,
                  int64_t* offsets, float* part_max, float* part_sum, float* part_acc) {
   const int d = s.head_dim;
+#ifdef __AVX512F__
   auto rows_with_kv_heads = [&](auto head_dim) {
     constexpr int D = decltype(head_dim)::value;
     int longest = 0;
@@ -340,7 +344,6 @@ void attend_rows(const float* const* q_rows, const int* contexts, const size_t* 
                              part_acc + at * d);
       }
   };
-#ifdef __AVX512F__
   if (d == 64) return rows_with_kv_heads(std::integral_constant<int, 64>());
   if (d == 128) return rows_with_kv_heads(std::integral_constant<int, 128>());
 #endif

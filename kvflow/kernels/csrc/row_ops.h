@@ -77,7 +77,7 @@ inline __m512 load16f(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 inline void store16f(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16f(uint16_t* p, __m512 v) {
+inline void store16f(uint16_t* p, __m512 v) {  // round to nearest even (denormals flush to zero, harmlessly)
 #ifdef __AVX512BF16__
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
 #else
