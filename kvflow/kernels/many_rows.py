@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from kvflow.kernels.decoder_step import FusedDecoderStep
 
 # From here on oneDNN's bfloat16 matmul beats the packed kernel (benchmarks/bench_quant_linear.py); fewer
-# rows stay with the PyTorch layers, whose projections pick the packed kernel.
+# rows go to the fused decoder step (kernels/decoder_step), which reads the packed weights.
 MIN_ROWS = 64
 
 _ptr, _i32, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_float

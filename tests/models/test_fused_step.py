@@ -1,7 +1,8 @@
-"""The fused C++ decoder step (kernels/decoder_step) against the same model run through its PyTorch layers.
+"""The fused C++ decoder step (kernels/decoder_step) against the exact mode on the same packed weights.
 
-Both paths multiply by the same packed weights with the same kernel; they differ in how norms, rotary
-embedding and attention round, so logits agree closely rather than bitwise, and greedy text agrees."""
+Both multiply by the same packed weights with the same kernel; they differ in how norms, rotary embedding
+and attention round and in the cache's dtype, so logits agree closely rather than bitwise, and greedy text
+agrees."""
 
 from __future__ import annotations
 
@@ -19,30 +20,23 @@ pytestmark = pytest.mark.skipif(not packed_matmul.available(), reason="needs a C
 PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
 
 
-def run(loaded, fused: bool, prompts: list[str], counter: list[int] | None = None):
-    """Greedy outputs with the fused step on or off; `counter` receives how many steps it ran."""
-    model = loaded.model
-    saved = model.fused_step
+def run_counting(loaded, prompts: list[str], counter: list[int]):
+    """Greedy outputs of the fast mode; `counter` receives how many steps the fused step ran."""
+    fused = loaded.model.fused_step
+    original = fused.forward
     taken = [0]
-    if fused:
-        original = saved.forward
 
-        def counting(*args):
-            out = original(*args)
-            taken[0] += out is not None
-            return out
+    def counting(*args):
+        out = original(*args)
+        taken[0] += out is not None
+        return out
 
-        saved.forward = counting
-    else:
-        model.fused_step = None
+    fused.forward = counting
     try:
         outs = make_llm(loaded).generate(prompts, PARAMS)
     finally:
-        model.fused_step = saved
-        if fused:
-            del saved.forward
-    if counter is not None:
-        counter.append(taken[0])
+        del fused.forward
+    counter.append(taken[0])
     return outs
 
 
@@ -51,20 +45,24 @@ def test_fast_mode_loads_the_fused_step(fast_loaded):
     assert decoder_step.reason_unsupported(fast_loaded.model) is None
 
 
-def test_same_greedy_text_and_close_logprobs(fast_loaded):
+def test_same_greedy_text_and_close_logprobs_as_the_exact_mode(fast_loaded, packed_loaded):
+    """Against the exact mode on the same packed weights (float32 activations and cache, PyTorch layers).
+
+    The fused step multiplies by the same packed weights with the same kernel; it differs in how norms,
+    rotary and SiLU round in C++, and in the float16 cache. The prompts' prefill (about 50 rows) goes
+    through it too. Measured: logprobs within 9e-3 nats. (The PyTorch layers of the fast mode, which
+    prefill these rows on bfloat16 copies, sat up to 0.18 nats away and changed one of the 6 texts.)"""
     prompts = PROMPTS[:6]
     steps: list[int] = []
-    fused = run(fast_loaded, True, prompts, steps)
-    eager = run(fast_loaded, False, prompts)
-    assert steps[0] >= 23  # every decode step went through it (6 sequences decode together)
-    for a, b in zip(fused, eager):
+    fused = run_counting(fast_loaded, prompts, steps)
+    exact = make_llm(packed_loaded).generate(prompts, PARAMS)
+    assert steps[0] >= 24  # the prefill (under 64 rows) and every decode step went through it
+    for a, b in zip(fused, exact):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for lp_a, lp_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             shared = lp_a.keys() & lp_b.keys()
             assert shared
-            # Norms, rotary and SiLU round differently in C++ and PyTorch, and the float16 cache rounds the
-            # slightly different K/V; over 24 tokens that moved a logprob by up to 5.4e-3 nats here.
-            assert max(abs(lp_a[t].logprob - lp_b[t].logprob) for t in shared) < 2e-2
+            assert max(abs(lp_a[t].logprob - lp_b[t].logprob) for t in shared) < 3e-2
 
 
 def test_chat_answers_paris(fast_loaded):
