@@ -65,12 +65,13 @@ def forward(fused: FusedDecoderStep, input_ids: torch.Tensor, positions: torch.T
     normed = torch.empty(rows, width, dtype=torch.bfloat16)
     qkv = torch.empty(rows, q_size + 2 * kv_size)
     attn = torch.empty(rows, arch.num_heads, arch.head_dim)
+    act = torch.empty(rows, arch.intermediate_size, dtype=torch.bfloat16)
     delta = None  # the last matmul's output, not yet added to hidden
     struct = ctypes.byref(fused.struct)  # bound by the caller for this step's cache
     for i, layer in enumerate(model.layers):
         a, mlp = layer.self_attn, layer.mlp
-        add_norm(hidden.data_ptr(), _ptr_or_none(delta), layer.input_layernorm.weight.data_ptr(), rows, width, eps,
-                 normed.data_ptr(), None, threads)
+        add_norm(hidden.data_ptr(), None if delta is None else delta.data_ptr(), layer.input_layernorm.weight.data_ptr(),
+                 rows, width, eps, normed.data_ptr(), None, threads)
         projected = F.linear(normed, a.qkv_proj.dense_bf16)
         if qkv_rotary(struct, i, projected.data_ptr(), rows, positions.data_ptr(), qkv.data_ptr(), threads) == -2:
             raise ValueError(f"a position is past the model's context ({fused.struct.max_positions} positions)")
@@ -82,13 +83,8 @@ def forward(fused: FusedDecoderStep, input_ids: torch.Tensor, positions: torch.T
         add_norm(hidden.data_ptr(), delta.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(), rows, width,
                  eps, normed.data_ptr(), None, threads)
         gate_up = F.linear(normed, mlp.gate_up_proj.dense_bf16)
-        act = torch.empty(rows, arch.intermediate_size, dtype=torch.bfloat16)
         silu_mul(gate_up.data_ptr(), rows, arch.intermediate_size, act.data_ptr(), threads)
         delta = F.linear(act, mlp.down_proj.dense_bf16)
     add_norm(hidden.data_ptr(), delta.data_ptr(), model.norm.weight.data_ptr(), rows, width, eps, None,
              hidden.data_ptr(), threads)
     return hidden
-
-
-def _ptr_or_none(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
