@@ -14,10 +14,11 @@ Two measures:
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
+from bench_quant_linear import time_round_robin
+from prefill_vs_transformers import median_seconds
 from results_file import publish
 
 from kvflow.kernels import cpu_attention
@@ -49,13 +50,7 @@ def decode_step_ms(depth: int, reps: int) -> float:
         for k_cache, v_cache in caches:
             cpu_attention.store_and_attend(q, k, v, k_cache, v_cache, meta, SCALE, out)
 
-    step()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return median_seconds(step, reps) * 1e3
 
 
 def prefill_layer_ms(prompt: int, reps: int) -> tuple[float, float]:
@@ -72,16 +67,8 @@ def prefill_layer_ms(prompt: int, reps: int) -> tuple[float, float]:
     def flash() -> None:  # on the rows as the float16 cache rounds them, as the PyTorch layers attend
         _sdpa(q, k.half().float(), v.half().float(), SCALE, causal=True)
 
-    fns = {"ours": ours, "flash": flash}
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()
-    for _ in range(reps):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return statistics.median(times["ours"]) * 1e3, statistics.median(times["flash"]) * 1e3
+    micros = time_round_robin({"ours": ours, "flash": flash}, reps)
+    return micros["ours"] / 1e3, micros["flash"] / 1e3
 
 
 def main() -> None:

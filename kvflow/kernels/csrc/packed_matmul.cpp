@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "kvflow_cpu.h"
+#include "row_ops.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -374,19 +375,6 @@ double exact_column(const KvflowPackedWeight& w, int64_t j, const float* x) {
 
 }  // namespace
 
-// The row's largest value and the indices within `margin` of it, in one pass each.
-float row_max(const float* y, int64_t n) {
-  int64_t j = 0;
-  float best = -INFINITY;
-#ifdef KVFLOW_HAVE_VNNI
-  __m512 mv = _mm512_set1_ps(-INFINITY);
-  for (; j + 16 <= n; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(y + j));
-  best = _mm512_reduce_max_ps(mv);
-#endif
-  for (; j < n; ++j) best = y[j] > best ? y[j] : best;
-  return best;
-}
-
 extern "C" int kvflow_packed_refine_top(const KvflowPackedWeight* w, const float* x, int64_t x_stride, int m,
                                         float* y, int64_t y_stride, const float* block_abs_sum) {
   const int64_t nb = w->k / 32;
@@ -408,7 +396,7 @@ extern "C" int kvflow_packed_refine_top(const KvflowPackedWeight* w, const float
       spread += amax * block_abs_sum[b];
     }
     const float bound = spread / (2.f * kMaxIntValue) * 1.01f + 1e-6f * l1 * w_max;
-    const float floor = row_max(yr, w->n) - 2.f * bound;
+    const float floor = kvflow::largest(yr, w->n) - 2.f * bound;
     int64_t j = 0;
 #ifdef KVFLOW_HAVE_VNNI
     const __m512 fv = _mm512_set1_ps(floor);

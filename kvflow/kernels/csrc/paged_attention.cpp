@@ -31,6 +31,7 @@ constexpr int kRowBlock = 16;  // consecutive query rows of one sequence per wor
 constexpr int kPrefetchAhead = 16;
 
 using kvflow::bf16_to_float;
+using kvflow::largest;
 using kvflow::float_to_bf16;
 
 // Dot products and row updates over head_dim values, float32 or bfloat16 storage. With AVX-512 the
@@ -101,19 +102,6 @@ struct Shape {
   int64_t table_stride;
   float scale;
 };
-
-// The largest of x[0, n) (a vector max: a scalar loop waits on each compare).
-inline float largest(const float* x, int n) {
-  int i = 0;
-  float m = -INFINITY;
-#ifdef __AVX512F__
-  __m512 mv = _mm512_set1_ps(-INFINITY);
-  for (; i + 16 <= n; i += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(x + i));
-  m = _mm512_reduce_max_ps(mv);
-#endif
-  for (; i < n; ++i) m = x[i] > m ? x[i] : m;
-  return m;
-}
 
 // exp(x[i] - m) in place, returning the sum. Inputs are <= 0 after subtracting the max.
 inline float exp_shifted_sum(float* x, int n, float m) {

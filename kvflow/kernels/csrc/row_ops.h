@@ -14,6 +14,19 @@
 
 namespace kvflow {
 
+// The largest of x[0, n) (a vector max: a scalar loop waits on each compare).
+inline float largest(const float* x, int64_t n) {
+  int64_t i = 0;
+  float m = -INFINITY;
+#ifdef __AVX512F__
+  __m512 mv = _mm512_set1_ps(-INFINITY);
+  for (; i + 16 <= n; i += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(x + i));
+  m = _mm512_reduce_max_ps(mv);
+#endif
+  for (; i < n; ++i) m = x[i] > m ? x[i] : m;
+  return m;
+}
+
 // 1 / sqrt(mean(x^2) + eps) over one row.
 inline float rms_scale(const float* x, int width, float eps) {
   int i = 0;
