@@ -279,38 +279,13 @@ void attend_kv_head(const float* q, const T* k_cache, const T* v_cache, const in
     }
   }
 }
-
-// attend_chunk for a head size known at compile time: every KV head of one row.
-template <typename T, int D>
-void attend_chunk_fixed(const float* q, const T* k_cache, const T* v_cache, const int32_t* table, int lo, int hi,
-                        const Shape& s, float* scores, int64_t* offsets, float* max_out, float* sum_out,
-                        float* acc_out) {
-  chunk_offsets(table, lo, hi - lo, s.block_size, static_cast<int64_t>(s.num_kv_heads) * D, offsets);
-  for (int kv = 0; kv < s.num_kv_heads; ++kv)
-    attend_kv_head<T, D>(q, k_cache, v_cache, offsets, hi - lo, kv, s, scores, max_out, sum_out, acc_out);
-}
 #endif
 
-// One chunk through the fixed-size code where it applies, else the general loop.
-template <typename T>
-void attend(const float* q, const T* k_cache, const T* v_cache, const int32_t* table, int lo, int hi,
-            const Shape& s, float* scores, int64_t* offsets, float* max_out, float* sum_out, float* acc_out) {
-#ifdef __AVX512F__
-  if (s.head_dim == 64)
-    return attend_chunk_fixed<T, 64>(q, k_cache, v_cache, table, lo, hi, s, scores, offsets, max_out, sum_out,
-                                     acc_out);
-  if (s.head_dim == 128)
-    return attend_chunk_fixed<T, 128>(q, k_cache, v_cache, table, lo, hi, s, scores, offsets, max_out, sum_out,
-                                      acc_out);
-#endif
-  attend_chunk(q, k_cache, v_cache, table, lo, hi, s, scores, offsets, max_out, sum_out, acc_out);
-}
-
-// Several consecutive rows of one sequence (a prefill chunk's queries) over one chunk of positions:
-// the positions are located once, and per KV head the rows take turns while its K/V rows are still in
-// cache (L1, or L2 for larger heads).
-// Each row runs the same code as alone (attend_kv_head), so its result is bitwise the same. Rows whose
-// context ends before the chunk are skipped. part_at[i] is where row i's partial results go.
+// Consecutive rows of one sequence over one chunk of positions (a one-token query is a run of one): the
+// positions are located once, and per KV head the rows take turns while its K/V rows are still in cache
+// (L1, or L2 for larger heads). Each row runs the same code as alone (attend_kv_head; attend_chunk for
+// other head sizes or without AVX-512), so its result is bitwise the same. Rows whose context ends
+// before the chunk are skipped. part_at[i] is where row i's partial results go.
 template <typename T>
 void attend_rows(const float* const* q_rows, const int* contexts, const size_t* part_at, int count,
                  const T* k_cache, const T* v_cache, const int32_t* table, int lo, const Shape& s, float* scores,
@@ -339,8 +314,8 @@ void attend_rows(const float* const* q_rows, const int* contexts, const size_t* 
     if (contexts[i] <= lo) continue;
     const int hi = contexts[i] < lo + kChunk ? contexts[i] : lo + kChunk;
     const size_t at = part_at[i];
-    attend(q_rows[i], k_cache, v_cache, table, lo, hi, s, scores, offsets, part_max + at, part_sum + at,
-           part_acc + at * d);
+    attend_chunk(q_rows[i], k_cache, v_cache, table, lo, hi, s, scores, offsets, part_max + at, part_sum + at,
+                 part_acc + at * d);
   }
 }
 
