@@ -1,8 +1,9 @@
 """pp512 of kvflow (default fast mode) against transformers in bf16 and float32 on the same GGUF weights.
 
-Both run the same 512 random tokens through one forward pass, same thread count, in one process, and
-report the median of the repetitions. kvflow's pass goes through its engine (one request, max_tokens=1,
-prefix caching off): the prefill a user gets, with its KV cache, attention backend and many-row path.
+Both run the same 512 random tokens through one forward pass, same thread count, in one process, taking
+turns pass by pass, and report the median of the repetitions. kvflow's pass goes through its engine (one
+request, max_tokens=1, prefix caching off): the prefill a user gets, with its KV cache, attention backend
+and many-row path.
 
     python benchmarks/prefill_vs_transformers.py [--threads 2] [--tokens 512] [--reps 5] [--record]
 """
@@ -10,21 +11,11 @@ prefix caching off): the prefill a user gets, with its KV cache, attention backe
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
+from bench_quant_linear import time_round_robin
 from results_file import publish
-
-
-def median_seconds(fn, reps: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -48,7 +39,7 @@ def main() -> None:
     def kvflow_pass() -> None:
         llm.generate([{"prompt_token_ids": ids.tolist()}], one_token)
 
-    rows = [("kvflow (default: packed Q4_1, AMX prefill, many-row path)", median_seconds(kvflow_pass, args.reps))]
+    passes = {"kvflow (default: packed Q4_1, AMX prefill, many-row path)": kvflow_pass}
     for dtype in (torch.bfloat16, torch.float32):
         hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype).eval()
 
@@ -56,9 +47,10 @@ def main() -> None:
             with torch.inference_mode():
                 model(ids[None], logits_to_keep=1)
 
-        rows.append((f"transformers ({str(dtype).split('.')[-1]})", median_seconds(hf_pass, args.reps)))
-        del hf
-    base = {name: args.tokens / s for name, s in rows}
+        passes[f"transformers ({str(dtype).split('.')[-1]})"] = hf_pass
+    # Round-robin, one pass of each engine in turn: a host whose speed drifts shifts all of them alike.
+    rows = time_round_robin(passes, args.reps).items()
+    base = {name: args.tokens / (micros * 1e-6) for name, micros in rows}
     hf_bf16 = base["transformers (bfloat16)"]
     lines = [
         f"### pp{args.tokens} against transformers ({time.strftime('%Y-%m-%d %H:%M')}, {args.threads} threads)",

@@ -4,8 +4,8 @@ paged kernel for every row.
 
 Between two matmuls PyTorch would run several ops, each a pass over the rows and often a float32 copy
 (bfloat16 output to float32, norm, back to bfloat16); here each gap is one pass, split across threads.
-Attention runs every query row through the same C++ kernel as decode (all_rows): a prompt's attention
-output then does not depend on how it was chunked.
+Attention (kernels/many_rows_attention) runs prompt chunks through PyTorch's bfloat16 flash kernel and
+one-token queries through the paged C++ kernel, as in decode.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from kvflow.kernels import build, cpu_attention
+from kvflow.kernels import build, many_rows_attention
 from kvflow.layers.attention.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
@@ -64,7 +64,8 @@ def forward(fused: FusedDecoderStep, input_ids: torch.Tensor, positions: torch.T
     hidden = model.embed_tokens(input_ids).float().contiguous()
     normed = torch.empty(rows, width, dtype=torch.bfloat16)
     qkv = torch.empty(rows, q_size + 2 * kv_size)
-    attn = torch.empty(rows, arch.num_heads, arch.head_dim)
+    decode_rows = torch.empty(rows, arch.num_heads, arch.head_dim)  # the C++ kernel's one-token queries
+    attn = torch.empty(rows, q_size, dtype=torch.bfloat16)
     act = torch.empty(rows, arch.intermediate_size, dtype=torch.bfloat16)
     delta = None  # the last matmul's output, not yet added to hidden
     struct = ctypes.byref(fused.struct)  # bound by the caller for this step's cache
@@ -75,11 +76,8 @@ def forward(fused: FusedDecoderStep, input_ids: torch.Tensor, positions: torch.T
         projected = F.linear(normed, a.qkv_proj.dense_bf16)
         if qkv_rotary(struct, i, projected.data_ptr(), rows, positions.data_ptr(), qkv.data_ptr(), threads) == -2:
             raise ValueError(f"a position is past the model's context ({fused.struct.max_positions} positions)")
-        q = qkv[:, :q_size].view(rows, arch.num_heads, arch.head_dim)
-        k = qkv[:, q_size : q_size + kv_size].view(rows, arch.num_kv_heads, arch.head_dim)
-        v = qkv[:, q_size + kv_size :].view(rows, arch.num_kv_heads, arch.head_dim)
-        cpu_attention.store_and_attend(q, k, v, a.k_cache, a.v_cache, meta, a.scale, attn, all_rows=True)
-        delta = F.linear(attn.view(rows, q_size).to(torch.bfloat16), a.o_proj.dense_bf16)
+        many_rows_attention.store_and_attend(qkv, arch.num_heads, arch.num_kv_heads, a, meta, decode_rows, attn)
+        delta = F.linear(attn, a.o_proj.dense_bf16)
         add_norm(hidden.data_ptr(), delta.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(), rows, width,
                  eps, normed.data_ptr(), None, threads)
         gate_up = F.linear(normed, mlp.gate_up_proj.dense_bf16)

@@ -42,10 +42,24 @@ def test_alloc_and_free_track_reference_counts():
 def test_free_order_is_eviction_order():
     pool = BlockPool(4)
     blocks = pool.get_new_blocks(4)
+    for i, block in enumerate(blocks):
+        assert pool.cache_full_block(block, hash_block_tokens(None, [i]), [i])
     # A request frees tail first: its last block must be reused before its first.
     pool.free_blocks(reversed(blocks))
     assert free_ids(pool) == [3, 2, 1, 0]
     assert [b.block_id for b in pool.get_new_blocks(2)] == [3, 2]
+
+
+def test_unhashed_freed_blocks_are_reused_before_untouched_and_cached_ones():
+    pool = BlockPool(6)
+    cached, partial, scratch = pool.get_new_blocks(3)
+    assert pool.cache_full_block(cached, hash_block_tokens(None, [1]), [1])
+    pool.free_blocks([scratch, partial, cached])
+    # The two blocks holding nothing findable come back first (their memory is already written), then
+    # the never-used blocks 3 to 5; the cached block is evicted last.
+    assert free_ids(pool) == [partial.block_id, scratch.block_id, 3, 4, 5, cached.block_id]
+    assert pool.get_new_blocks(2) == [partial, scratch]
+    assert pool.get_cached_block(hash_block_tokens(None, [1])) is cached
 
 
 def test_freed_cached_block_is_found_and_revived_until_evicted():

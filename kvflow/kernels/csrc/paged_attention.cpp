@@ -33,6 +33,9 @@ constexpr int kPrefetchAhead = 16;
 using kvflow::bf16_to_float;
 using kvflow::largest;
 using kvflow::float_to_bf16;
+#ifdef __AVX512F__
+using kvflow::store16f;
+#endif
 
 // Dot products and row updates over head_dim values, float32 or bfloat16 storage. With AVX-512 the
 // sum of a dot product is a tree over vector lanes; a plain loop would make the compiler add the 16
@@ -87,14 +90,27 @@ inline void store_row<float>(const float* src, float* dst, int d) {
   std::memcpy(dst, src, sizeof(float) * d);
 }
 
+// The narrow stores round to nearest even, 16 at a time where AVX-512 runs (a scalar float16
+// conversion is a library call per value: storing a 512-token prompt's K/V took 0.7 ms a layer).
 template <>
 inline void store_row<uint16_t>(const float* src, uint16_t* dst, int d) {
-  for (int i = 0; i < d; ++i) dst[i] = float_to_bf16(src[i]);
+  int i = 0;
+#ifdef __AVX512F__
+  for (; i + 16 <= d; i += 16) store16f(dst + i, _mm512_loadu_ps(src + i));
+#endif
+  for (; i < d; ++i) dst[i] = float_to_bf16(src[i]);
 }
 
 template <>
 inline void store_row<_Float16>(const float* src, _Float16* dst, int d) {
-  for (int i = 0; i < d; ++i) dst[i] = static_cast<_Float16>(src[i]);  // round to nearest even
+  int i = 0;
+#ifdef __AVX512F__
+  for (; i + 16 <= d; i += 16) {
+    const __m256i h = _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), h);
+  }
+#endif
+  for (; i < d; ++i) dst[i] = static_cast<_Float16>(src[i]);
 }
 
 struct Shape {

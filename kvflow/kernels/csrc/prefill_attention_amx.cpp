@@ -1,0 +1,340 @@
+// Causal attention of prompt chunks on AMX tiles: bfloat16 products with float32 sums, float32 softmax.
+// The fast mode's many-row prefill attention (kvflow/kernels/many_rows_attention.py).
+//
+// A chunk's attention is two matmul-shaped products per head, Q K^T and P V. A tile op multiplies 16 x 32
+// by 32 x 16 bfloat16 values at once, where float32 FMAs take hundreds of instructions. Work items are
+// 16 query rows of one head of one sequence, in two passes over the keys they see:
+//   1. scores, 16 keys per tile, from Q (the A operand, as stored) and K packed as B tiles; each row's max;
+//   2. probabilities 2^(x - max) in AVX-512, rounded to bfloat16, then P V summed in four tiles
+//      (64 output dims) across all keys.
+// With the max known up front there is no running rescale of the output (an online softmax rescaled
+// and reduced per block of keys, which cost more than the tile ops). B tiles hold pairs of values along
+// the summed dimension in one 32-bit word, so K and V are read from the paged cache (through the block
+// table) and repacked once per call, shared by all query heads of a KV head and all their rows.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "row_ops.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BF16__)
+#define KVFLOW_HAVE_AMX_BF16 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace {
+
+#ifdef KVFLOW_HAVE_AMX_BF16
+constexpr int kRows = 16;  // query rows per work item: one tile's rows
+constexpr int kKeys = 64;  // keys per score step (four tiles); keys are padded to a multiple
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux hands a process AMX tile state only once asked (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA).
+bool tiles_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+void configure_tiles() {  // eight tiles of 16 rows x 64 bytes; the configuration is per thread
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = 16;
+    c.colsb[t] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) { return kvflow::load16f(p); }  // bfloat16 bits
+inline __m512 load16(const _Float16* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+
+// 2^t, to about 3e-6 relative: far inside the bfloat16 rounding (4e-3) the probabilities get before P V,
+// at half the work of a float32-exact exp. Degree-5 Taylor polynomial on the fraction, scalef for the
+// power; t below -126 gives at most 2^-126 (callers mask what must be zero).
+inline __m512 exp2_coarse(__m512 t) {
+  t = _mm512_max_ps(t, _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);  // in [-0.5, 0.5]
+  __m512 p = _mm512_set1_ps(1.3333558e-3f);  // ln(2)^k / k!, k = 5 down to 0
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Lanes of the 16 keys from `first` on that a row seeing keys [0, last] keeps.
+inline __mmask16 visible_lanes(int first, int last) {
+  const int left = last - first + 1;
+  return left >= 16 ? 0xffff : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
+}
+
+// Where a sequence's K/V rows live: the cache, its block table, and this call's packed copy.
+struct Sequence {
+  int q_row;         // first query row of its chunk in q and out
+  int lq, lk;        // chunk rows; positions it sees (the chunk is the last lq of them)
+  const int32_t* table;
+  int64_t packed;    // offset of its tiles in the packed buffers (32-bit words), per KV head: padded * d / 2
+  int padded;        // lk rounded up to kKeys
+};
+
+struct Cache {
+  const void* k;
+  const void* v;
+  int dtype;  // 0 float32, 1 bfloat16, 2 float16
+  int block_size;
+  int hkv, d;
+};
+
+template <typename T>
+const T* cache_row(const void* base, const Cache& c, const int32_t* table, int pos, int h) {
+  const int64_t slot = static_cast<int64_t>(table[pos / c.block_size]) * c.block_size + pos % c.block_size;
+  return static_cast<const T*>(base) + (slot * c.hkv + h) * c.d;
+}
+
+// Keys [16 b, 16 b + 16) of KV head h as B tiles for Q K^T: per 32 dims, 32-bit word (i, n) holds dims
+// 2i, 2i+1 of key n. Keys past lk are zeros.
+template <typename T>
+void pack_keys(const Cache& c, const Sequence& s, int h, int b, uint32_t* out) {
+  const int chunks = c.d / 32;
+  for (int n = 0; n < 16; ++n) {
+    const int key = b * 16 + n;
+    alignas(64) uint32_t words[64];  // one key as bfloat16 pairs (head sizes up to 128)
+    if (key < s.lk) {
+      const T* row = cache_row<T>(c.k, c, s.table, key, h);
+      for (int j = 0; j < c.d; j += 16) _mm256_store_si256(reinterpret_cast<__m256i*>(words + j / 2), to_bf16(load16(row + j)));
+    } else {
+      std::memset(words, 0, sizeof(words));
+    }
+    for (int ch = 0; ch < chunks; ++ch) {
+      uint32_t* tile = out + (static_cast<int64_t>(b) * chunks + ch) * 256;
+      for (int i = 0; i < 16; ++i) tile[i * 16 + n] = words[ch * 16 + i];
+    }
+  }
+}
+
+// Keys [32 b, 32 b + 32) of KV head h's V as B tiles for P V: per 16 dims, 32-bit word (i, n) holds dim
+// n of keys 2i and 2i + 1. Keys past lk are zeros.
+template <typename T>
+void pack_values(const Cache& c, const Sequence& s, int h, int b, uint32_t* out) {
+  const int groups = c.d / 16;
+  alignas(64) static const uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i idx = _mm512_load_si512(interleave);
+  for (int i = 0; i < 16; ++i) {
+    const int key = b * 32 + 2 * i;
+    const T* even = key < s.lk ? cache_row<T>(c.v, c, s.table, key, h) : nullptr;
+    const T* odd = key + 1 < s.lk ? cache_row<T>(c.v, c, s.table, key + 1, h) : nullptr;
+    for (int g = 0; g < groups; ++g) {
+      const __m256i a = even ? to_bf16(load16(even + g * 16)) : _mm256_setzero_si256();
+      const __m256i bb = odd ? to_bf16(load16(odd + g * 16)) : _mm256_setzero_si256();
+      const __m512i both = _mm512_inserti64x4(_mm512_zextsi256_si512(a), bb, 1);
+      uint32_t* tile = out + (static_cast<int64_t>(b) * groups + g) * 256;
+      _mm512_storeu_si512(tile + i * 16, _mm512_permutexvar_epi16(idx, both));
+    }
+  }
+}
+
+// Pass 1 for keys [64 kb, 64 kb + 64): raw scores of the 16 rows into s (row stride s_stride floats).
+void score_block(const uint16_t* q_rows, int d, const uint32_t* k_tiles, int kb, float* s, int s_stride) {
+  const int chunks = d / 32;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int c = 0; c < chunks; ++c) {
+    _tile_loadd(4, q_rows + c * 32, d * 2);
+    const uint32_t* t = k_tiles + (static_cast<int64_t>(kb) * 4 * chunks + c) * 256;
+    _tile_loadd(5, t, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(5, t + chunks * 256, 64);
+    _tile_dpbf16ps(1, 4, 5);
+    _tile_loadd(5, t + 2 * chunks * 256, 64);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_loadd(5, t + 3 * chunks * 256, 64);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  float* at = s + kb * kKeys;
+  _tile_stored(0, at, s_stride * 4);
+  _tile_stored(1, at + 16, s_stride * 4);
+  _tile_stored(2, at + 32, s_stride * 4);
+  _tile_stored(3, at + 48, s_stride * 4);
+}
+
+// Dims [16 g0, 16 g0 + 64) of P V over the first `keys` keys (a multiple of 64) into pv (row stride d).
+void value_group(const uint16_t* p, int p_stride, int keys, int d, const uint32_t* v_tiles, int g0, float* pv) {
+  const int groups = d / 16;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int b = 0; b < keys / 32; ++b) {
+    _tile_loadd(4, p + b * 32, p_stride * 2);
+    const uint32_t* t = v_tiles + (static_cast<int64_t>(b) * groups + g0) * 256;
+    _tile_loadd(5, t, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(5, t + 256, 64);
+    _tile_dpbf16ps(1, 4, 5);
+    _tile_loadd(5, t + 512, 64);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_loadd(5, t + 768, 64);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  _tile_stored(0, pv + g0 * 16, d * 4);
+  _tile_stored(1, pv + g0 * 16 + 16, d * 4);
+  _tile_stored(2, pv + g0 * 16 + 32, d * 4);
+  _tile_stored(3, pv + g0 * 16 + 48, d * 4);
+}
+
+struct Scratch {  // per thread, grown as needed
+  std::vector<uint16_t> q_rows, p;
+  std::vector<float> s, pv;
+};
+
+// Rows [r0, r0 + 16) of query head h of sequence `seq`, against its packed K/V.
+void attend_block(const float* q, int64_t q_stride, int d, float scale, const Sequence& seq, int h,
+                  int r0, const uint32_t* k_tiles, const uint32_t* v_tiles, uint16_t* out, int64_t out_stride,
+                  Scratch& w) {
+  const int rows = seq.lq - r0 < kRows ? seq.lq - r0 : kRows;
+  const int offset = seq.lk - seq.lq;  // row r sits at position offset + r and sees keys [0, offset + r]
+  const int keys = ((offset + r0 + rows - 1) / kKeys + 1) * kKeys;  // the keys any of the rows sees, padded
+  w.q_rows.resize(kRows * d);
+  w.s.resize(static_cast<size_t>(kRows) * keys);
+  w.p.resize(static_cast<size_t>(kRows) * keys);
+  w.pv.resize(kRows * d);
+  uint16_t* q_rows = w.q_rows.data();
+  float* s = w.s.data();
+  uint16_t* p = w.p.data();
+  for (int r = 0; r < kRows; ++r) {  // the rows as one A tile; rows past the chunk are zeros
+    uint16_t* dst = q_rows + r * d;
+    if (r < rows) {
+      const float* src = q + static_cast<int64_t>(seq.q_row + r0 + r) * q_stride + h * d;
+      for (int j = 0; j < d; j += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), to_bf16(load16(src + j)));
+    } else {
+      std::memset(dst, 0, d * 2);
+    }
+  }
+  for (int kb = 0; kb < keys / kKeys; ++kb) score_block(q_rows, d, k_tiles, kb, s, keys);
+  // Softmax in base 2: scores times scale * log2(e), then 2^(x - max), the same probabilities.
+  const __m512 scale2 = _mm512_set1_ps(scale * 1.44269504f);
+  float inv_sum[kRows];
+  for (int r = 0; r < kRows; ++r) {
+    const float* sr = s + static_cast<int64_t>(r) * keys;
+    uint16_t* pr = p + static_cast<int64_t>(r) * keys;
+    const int last = offset + r0 + r;  // last key this row sees (padding rows see as far; never stored)
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int j = 0; j <= last && j < keys; j += 16)
+      mx = _mm512_mask_max_ps(mx, visible_lanes(j, last), mx, _mm512_loadu_ps(sr + j));
+    const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 total = _mm512_setzero_ps();
+    for (int j = 0; j < keys; j += 16) {
+      const __mmask16 keep = visible_lanes(j, last);
+      __m512 e = _mm512_setzero_ps();
+      if (keep) e = _mm512_maskz_mov_ps(keep, exp2_coarse(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(sr + j), shift), scale2)));
+      total = _mm512_add_ps(total, e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), to_bf16(e));
+    }
+    inv_sum[r] = 1.f / _mm512_reduce_add_ps(total);
+  }
+  for (int g0 = 0; g0 < d / 16; g0 += 4) value_group(p, keys, keys, d, v_tiles, g0, w.pv.data());
+  for (int r = 0; r < rows; ++r) {
+    const __m512 inv = _mm512_set1_ps(inv_sum[r]);
+    uint16_t* o = out + static_cast<int64_t>(seq.q_row + r0 + r) * out_stride + h * d;
+    const float* acc = w.pv.data() + r * d;
+    for (int j = 0; j < d; j += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + j), to_bf16(_mm512_mul_ps(load16(acc + j), inv)));
+  }
+}
+
+template <typename T>
+void pack(const Cache& c, const std::vector<Sequence>& seqs, uint32_t* k_tiles, uint32_t* v_tiles) {
+  // One work unit: 32 keys of one KV head of one sequence (two K blocks of 16, one V block of 32).
+  std::vector<int> first_unit(seqs.size() + 1, 0);
+  for (size_t i = 0; i < seqs.size(); ++i) first_unit[i + 1] = first_unit[i] + c.hkv * seqs[i].padded / 32;
+#pragma omp for schedule(static)
+  for (int u = 0; u < first_unit.back(); ++u) {
+    size_t i = 0;
+    while (first_unit[i + 1] <= u) ++i;
+    const Sequence& s = seqs[i];
+    const int local = u - first_unit[i], h = local / (s.padded / 32), b = local % (s.padded / 32);
+    const int64_t at = s.packed * c.hkv + static_cast<int64_t>(h) * s.padded * c.d / 2;
+    pack_keys<T>(c, s, h, 2 * b, k_tiles + at);
+    pack_keys<T>(c, s, h, 2 * b + 1, k_tiles + at);
+    pack_values<T>(c, s, h, b, v_tiles + at);
+  }
+}
+#endif
+
+}  // namespace
+
+// For every sequence whose chunk has two or more rows: causal attention of its query rows (q float32,
+// heads of size d side by side, row stride q_stride) over its first seq_len positions in the paged cache
+// (the chunk's own K/V already stored), into out (bfloat16 rows, head h at h * d). Rows of one-token
+// queries are left alone. Returns 0, or -1 where this build or CPU has no AMX, or for head sizes that
+// are not a multiple of 64 (up to 128).
+extern "C" int kvflow_prefill_attention_bf16(const float* q, int64_t q_stride, const void* k_cache, const void* v_cache,
+                                             int cache_dtype, const int32_t* query_start, const int32_t* seq_lens,
+                                             const int32_t* tables, int64_t table_stride, int num_seqs, int hq, int hkv,
+                                             int d, int block_size, float scale, uint16_t* out, int64_t out_stride,
+                                             int num_threads) {
+#ifdef KVFLOW_HAVE_AMX_BF16
+  if (d % 64 != 0 || d > 128 || hkv < 1 || hq % hkv != 0 || cache_dtype < 0 || cache_dtype > 2 || !tiles_permitted())
+    return -1;
+  const Cache cache{k_cache, v_cache, cache_dtype, block_size, hkv, d};
+  std::vector<Sequence> seqs;
+  int64_t words = 0;  // packed words per KV head, all sequences
+  for (int b = 0; b < num_seqs; ++b) {
+    const int lq = query_start[b + 1] - query_start[b], lk = seq_lens[b];
+    if (lq < 2 || lq > lk) continue;
+    const int padded = (lk + kKeys - 1) / kKeys * kKeys;
+    seqs.push_back({query_start[b], lq, lk, tables + b * table_stride, words, padded});
+    words += static_cast<int64_t>(padded) * d / 2;
+  }
+  if (seqs.empty()) return 0;
+  // Items: (sequence, row block, head), the sequences' later row blocks (which see more keys) first.
+  struct Item { int seq, r0, h; };
+  std::vector<Item> items;
+  for (size_t i = 0; i < seqs.size(); ++i)
+    for (int r0 = (seqs[i].lq - 1) / kRows * kRows; r0 >= 0; r0 -= kRows)
+      for (int h = 0; h < hq; ++h) items.push_back({static_cast<int>(i), r0, h});
+  thread_local std::vector<uint32_t> k_tiles, v_tiles;  // reused across calls: no page faults per layer
+  k_tiles.resize(words * hkv);
+  v_tiles.resize(words * hkv);
+  uint32_t* kt = k_tiles.data();
+  uint32_t* vt = v_tiles.data();
+  const int group = hq / hkv, num_items = static_cast<int>(items.size());
+#pragma omp parallel num_threads(num_threads)
+  {
+    if (cache_dtype == 0) pack<float>(cache, seqs, kt, vt);
+    else if (cache_dtype == 1) pack<uint16_t>(cache, seqs, kt, vt);
+    else pack<_Float16>(cache, seqs, kt, vt);
+    configure_tiles();
+    thread_local Scratch scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int i = 0; i < num_items; ++i) {
+      const Item& it = items[i];
+      const Sequence& s = seqs[it.seq];
+      const int64_t at = s.packed * hkv + static_cast<int64_t>(it.h / group) * s.padded * d / 2;
+      attend_block(q, q_stride, d, scale, s, it.h, it.r0, kt + at, vt + at, out, out_stride, scratch);
+    }
+    _tile_release();
+  }
+  return 0;
+#else
+  (void)q, (void)q_stride, (void)k_cache, (void)v_cache, (void)cache_dtype, (void)query_start, (void)seq_lens,
+      (void)tables, (void)table_stride, (void)num_seqs, (void)hq, (void)hkv, (void)d, (void)block_size, (void)scale,
+      (void)out, (void)out_stride, (void)num_threads;
+  return -1;
+#endif
+}
