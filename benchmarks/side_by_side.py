@@ -3,8 +3,9 @@
 1. the machine probe (bandwidth, matmul rate);
 2. pp512 and tg128 at batch 1: llama.cpp through llama-cpp-python (in its own virtualenv, installed by
    benchmarks/setup_llamacpp.sh when missing) and kvflow through its engine (kvflow bench latency);
-3. llama.cpp's server (llama_cpp.server) against `kvflow serve` under the same `kvflow bench serve` load
-   (200-token prompts, 128 output tokens, EOS ignored) at concurrency 1 and 8.
+3. llama.cpp's server against `kvflow serve` under the same `kvflow bench serve` load (200-token prompts,
+   128 output tokens, EOS ignored) at concurrency 1 and 8: llama.cpp's own llama-server with 8 slots when
+   benchmarks/setup_llama_server.sh has built it, else llama-cpp-python's server (which stops at EOS).
 
     python benchmarks/side_by_side.py [--threads 2] [--quantization gguf] [--depth 4096] [--num-prompts 16] [--record]
 """
@@ -107,17 +108,26 @@ def run_load(base_url: str, label: str, concurrency: int, num_prompts: int, out_
 
 def serve_both(args, gguf: Path, llamacpp_python: Path, out_dir: Path) -> dict:
     results = {}
-    servers = {
-        "llama.cpp": lambda port: [
+    llama_server = llamacpp_python.parent / "llama-server"
+    if llama_server.exists():  # llama.cpp's own server: 8 parallel slots, honours ignore_eos
+        peer = lambda port: [  # noqa: E731
+            str(llama_server), "--model", str(gguf), "--threads", str(args.threads), "--threads-batch",
+            str(args.threads), "--ctx-size", "16384", "--parallel", "8", "--host", "127.0.0.1", "--port", str(port)]
+    else:  # llama-cpp-python's server: one request at a time, stops at EOS whatever ignore_eos says
+        peer = lambda port: [  # noqa: E731
             str(llamacpp_python), "-m", "llama_cpp.server", "--model", str(gguf), "--n_threads", str(args.threads),
-            "--n_threads_batch", str(args.threads), "--n_ctx", "16384", "--host", "127.0.0.1", "--port", str(port)],
+            "--n_threads_batch", str(args.threads), "--n_ctx", "16384", "--host", "127.0.0.1", "--port", str(port)]
+    results["peer_server"] = "llama-server" if llama_server.exists() else "llama_cpp.server"
+    servers = {
+        "llama.cpp": peer,
         "kvflow": lambda port: [
             sys.executable, "-m", "kvflow", "serve", "--model", str(gguf), "--threads", str(args.threads),
             # The same context as llama.cpp's -c 16384: 16,384 tokens of float16 K/V (22.5 KiB each).
             "--host", "127.0.0.1", "--port", str(port), "--kv-cache-memory", "360MiB",
             *(["--quantization", args.quantization] if args.quantization else [])],
     }
-    health = {"llama.cpp": "/v1/models", "kvflow": "/health"}
+    health = {"llama.cpp": "/v1/models" if results["peer_server"] == "llama_cpp.server" else "/health",
+              "kvflow": "/health"}
     for label, command in servers.items():
         port = free_port()
         proc = subprocess.Popen(command(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -191,7 +201,8 @@ def main() -> None:
         served = serve_both(args, gguf, llamacpp_python, out_dir)
         lines += [
             f"Serving: {args.num_prompts} (concurrency 1) and {2 * args.num_prompts} (concurrency 8) streaming "
-            "requests of 200 prompt tokens and 128 output tokens, EOS ignored, `kvflow bench serve`.",
+            "requests of 200 prompt tokens and 128 output tokens, EOS ignored, `kvflow bench serve`; the peer "
+            f"is llama.cpp's `{served['peer_server']}` (`benchmarks/setup_llama_server.sh` builds llama-server).",
             "",
             "| server | concurrency | output tok/s | TTFT mean ms | TTFT p99 ms | TPOT mean ms | peak RSS MiB |",
             "|---|---|---|---|---|---|---|",
