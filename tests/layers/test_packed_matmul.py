@@ -1,5 +1,5 @@
 """kvflow's packed matmul kernel (kernels/packed_matmul): its byte layout, accuracy, stated error bound,
-and row independence across row counts (VNNI below 16 rows, AMX int8 tiles from 16) and thread counts."""
+and row independence across row counts (VNNI for few rows, AMX int8 tiles for more) and thread counts."""
 
 from __future__ import annotations
 
@@ -41,12 +41,15 @@ def test_layout_round_trip_and_accuracy(bits, n, k):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_rows_do_not_depend_on_the_batch_or_threads(bits):
-    bq = codes(bits, 200, 576, seed=1)
+# 200 x 576: VNNI below 16 rows, AMX int8 tiles from 16 where the CPU has them. 2048 x 64: a wide,
+# shallow matrix like the output head, on the tiles from 8 rows.
+@pytest.mark.parametrize(("n", "k"), [(200, 576), (2048, 64)])
+def test_rows_do_not_depend_on_the_batch_or_threads(bits, n, k):
+    bq = codes(bits, n, k, seed=1)
     pw = packed_matmul.pack(bq)
-    x = torch.randn(37, 576)
+    x = torch.randn(37, k)
     single = torch.cat([packed_matmul.matmul(x[i : i + 1], pw) for i in range(37)])  # VNNI, one row
-    for m in (3, 16, 37):  # VNNI, and AMX int8 tiles from 16 rows where the CPU has them
+    for m in (3, 8, 16, 37):
         assert torch.equal(packed_matmul.matmul(x[:m], pw), single[:m])
     threads = torch.get_num_threads()
     try:

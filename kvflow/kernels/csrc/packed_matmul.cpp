@@ -188,6 +188,13 @@ void run_groups(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const R
 // The epilogue (per block, row and 16 columns) bounds it: from about 64 rows oneDNN's bfloat16 matmul
 // on a dequantized copy is faster, so prefill-sized chunks do not come here in the default mode.
 constexpr int kAmxMinRows = 16;  // below this the VNNI path is faster (measured with 960x576 to 576x1536)
+// A wide, shallow matrix (the output head, 49152 x 576) goes to the tiles from 8 rows: an 8-row decode
+// step's head took 3.5 ms there against 5.0 through VNNI, while the layers' matrices measured alike.
+constexpr int kAmxMinRowsWide = 8;
+
+bool prefer_amx(const KvflowPackedWeight& w, int m) {
+  return m >= kAmxMinRows || (m >= kAmxMinRowsWide && w.n >= 16 * w.k);
+}
 
 bool amx_ready() {  // Linux grants a process the AMX tile state on request (5.16 and later)
   static const bool ok = [] {
@@ -291,7 +298,7 @@ extern "C" int kvflow_packed_matmul(const KvflowPackedWeight* w, const float* x,
   if (w->k % kBlock || (w->bits != 4 && w->bits != 8) || m <= 0) return -1;
   const int64_t nb = w->k / kBlock;
 #ifdef KVFLOW_HAVE_AMX
-  const bool amx = m >= kAmxMinRows && amx_ready();
+  const bool amx = prefer_amx(*w, m) && amx_ready();
 #else
   const bool amx = false;
 #endif
