@@ -6,9 +6,10 @@ Two measures:
   decode  one new token over `depth` cached positions in each of 30 layers' caches (float16, blocks
           scattered at random), as a decode step at depth reads them: milliseconds per step and the
           bytes of K/V read per second, against the machine's memory bandwidth.
-  prefill a fresh `prompt`-token sequence, every row attending (the many-row path's all_rows call), per
-          layer, against PyTorch's float32 flash attention on the same rows (what the PyTorch layers
-          use), timed round-robin in one loop so a drifting host shifts both together.
+  prefill a fresh `prompt`-token sequence, one layer: the exact mode's C++ kernel on every row, the
+          fast mode's many-row attention (bfloat16 on AMX tiles, K/V stored first) and PyTorch's
+          float32 flash attention on the same rows (what the PyTorch layers use), timed round-robin in
+          one loop so a drifting host shifts all of them together.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from kvflow.layers.attention.metadata import AttentionMetadata
 from kvflow.layers.attention.sdpa import _sdpa
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
-PREFILL_LABELS = {"exact": "exact mode, C++ kernel on every row", "fast": "fast mode, bfloat16 flash (many-row path)",
+PREFILL_LABELS = {"exact": "exact mode, C++ kernel on every row", "fast": "fast mode, bfloat16 on AMX tiles (many-row path)",
                   "flash": "PyTorch flash, float32"}
 SCALE = HEAD_DIM**-0.5
 

@@ -188,8 +188,10 @@ class LLMEngine:
                 owners.append(target)
         if not rows:
             return {}, touched
-        index = torch.tensor(row_logits, device=logits.device)
-        result = self.sampler(logits.index_select(0, index), rows)
+        if row_logits == list(range(logits.shape[0])):  # one row per logit row, in order: no copy needed
+            result = self.sampler(logits, rows)
+        else:
+            result = self.sampler(logits.index_select(0, torch.tensor(row_logits, device=logits.device)), rows)
         for j, seq in enumerate(owners):
             if seq.logprobs is not None:
                 self._record_logprobs(seq, result.token_ids[j], result.logprobs[j], result.top_logprobs[j])
