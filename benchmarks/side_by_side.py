@@ -7,7 +7,8 @@
    128 output tokens, EOS ignored) at concurrency 1 and 8: llama.cpp's own llama-server with 8 slots when
    benchmarks/setup_llama_server.sh has built it, else llama-cpp-python's server (which stops at EOS).
 
-    python benchmarks/side_by_side.py [--threads 2] [--quantization gguf] [--depth 4096] [--num-prompts 16] [--record]
+    python benchmarks/side_by_side.py [--threads 2] [--quantization gguf] [--depth 4096] [--rounds 3]
+        [--num-prompts 16] [--record]
 """
 
 from __future__ import annotations
@@ -48,6 +49,17 @@ pp(); tg(0)  # warm-up
 print(json.dumps({"pp": median([pp() for _ in range(reps)]), "tg": median([tg(0) for _ in range(reps)]),
                   "tg_depth": median([tg(depth) for _ in range(reps)])}))
 """
+
+
+def result(run: dict, test: str, depth: int) -> dict:
+    return next(r for r in run["results"] if r["test"] == test and r["depth"] == depth)
+
+
+def median_result(runs: list[dict], test: str, depth: int) -> dict:
+    """The run's result with the median tokens/s (the lower middle for an even count), whole, so its share
+    of roofline goes with it."""
+    ordered = sorted((result(run, test, depth) for run in runs), key=lambda r: r["tokens_per_s"])
+    return ordered[(len(ordered) - 1) // 2]
 
 
 def default_gguf() -> Path:
@@ -148,6 +160,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quantization", default=None, help="kvflow --quantization (e.g. gguf)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of the batch-1 tests (medians)")
     ap.add_argument("--depth", type=int, default=4096, help="context depth of the long-context decode test")
     ap.add_argument("--num-prompts", type=int, default=16, help="requests at concurrency 1 (twice that at 8)")
     ap.add_argument("--skip-serve", action="store_true")
@@ -167,14 +180,31 @@ def main() -> None:
     save_probe(probe)
     row = probe["results"][-1]
 
-    proc = subprocess.run([str(llamacpp_python), "-c", LLAMACPP_BENCH, str(gguf), str(args.threads), "512", "128",
-                           str(args.reps), str(args.depth)], capture_output=True, text=True, check=True)
-    peer = json.loads(proc.stdout.strip().splitlines()[-1])
-    ours = run_latency(None, [512], 128, [0, args.depth], [1], reps=args.reps, probe=probe, threads=args.threads,
-                       **({"quantization": args.quantization} if args.quantization else {}))
-    pp = next(r for r in ours["results"] if r["test"] == "pp512" and r["depth"] == 0)
-    tg = next(r for r in ours["results"] if r["test"] == "tg128" and r["depth"] == 0)
-    tg_deep = next(r for r in ours["results"] if r["test"] == "tg128" and r["depth"] == args.depth)
+    def run_peer() -> dict:
+        proc = subprocess.run([str(llamacpp_python), "-c", LLAMACPP_BENCH, str(gguf), str(args.threads), "512",
+                               "128", str(args.reps), str(args.depth)], capture_output=True, text=True, check=True)
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    def run_ours() -> dict:
+        return run_latency(None, [512], 128, [0, args.depth], [1], reps=args.reps, probe=probe, threads=args.threads,
+                           **({"quantization": args.quantization} if args.quantization else {}))
+
+    # Rounds alternate which engine goes first, and each figure is the median over rounds: the host's speed
+    # drifts over minutes, and one engine measured minutes after the other would carry that drift.
+    peers, ours_runs = [], []
+    for r in range(args.rounds):
+        for who in (("peer", "ours") if r % 2 == 0 else ("ours", "peer")):
+            (peers.append(run_peer()) if who == "peer" else ours_runs.append(run_ours()))
+    peer = {key: sorted(p[key] for p in peers)[(len(peers) - 1) // 2] for key in ("pp", "tg", "tg_depth")}
+    ours = ours_runs[0]  # the per-step byte counts, the same in every round
+    pp = median_result(ours_runs, "pp512", 0)
+    tg = median_result(ours_runs, "tg128", 0)
+    tg_deep = median_result(ours_runs, "tg128", args.depth)
+    per_round = {
+        name: ", ".join(f"{result(run, test, depth)['tokens_per_s'] / p[key]:.2f}" for run, p in zip(ours_runs, peers))
+        for name, test, depth, key in (("pp512", "pp512", 0, "pp"), ("tg128", "tg128", 0, "tg"),
+                                       (f"tg at depth {args.depth}", "tg128", args.depth, "tg_depth"))
+    }
 
     lines = [
         f"## Side by side with llama.cpp ({time.strftime('%Y-%m-%d %H:%M')}, {args.threads} threads)",
@@ -195,6 +225,9 @@ def main() -> None:
         f"{100 * tg['fraction_of_roofline']:.0f}% |",
         f"| tg128 at depth {args.depth} tok/s | {peer['tg_depth']:.1f} | {tg_deep['tokens_per_s']:.1f} | "
         f"{tg_deep['tokens_per_s'] / peer['tg_depth']:.2f} | {100 * tg_deep['fraction_of_roofline']:.0f}% |",
+        "",
+        f"Medians over {args.rounds} rounds (alternating which engine goes first). kvflow / llama.cpp by round: "
+        + "; ".join(f"{name} {ratios}" for name, ratios in per_round.items()) + ".",
         "",
     ]
     if not args.skip_serve:
