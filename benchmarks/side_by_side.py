@@ -140,17 +140,24 @@ def serve_both(args, gguf: Path, llamacpp_python: Path, out_dir: Path) -> dict:
     }
     health = {"llama.cpp": "/v1/models" if results["peer_server"] == "llama_cpp.server" else "/health",
               "kvflow": "/health"}
-    for label, command in servers.items():
-        port = free_port()
-        proc = subprocess.Popen(command(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            wait_healthy(f"http://127.0.0.1:{port}{health[label]}", proc)
-            for conc in (1, 8):
-                prompts = args.num_prompts if conc == 1 else args.num_prompts * 2
-                results[(label, conc)] = run_load(f"http://127.0.0.1:{port}", label, conc, prompts, out_dir)
+    # Both servers up at once (idle, neither takes CPU), loads in ABBA order: peer c1, kvflow c1, kvflow c8,
+    # peer c8. A host that drifts over the minutes shifts both engines' figures alike.
+    procs, urls = {}, {}
+    try:
+        for label, command in servers.items():
+            port = free_port()
+            procs[label] = subprocess.Popen(command(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            urls[label] = f"http://127.0.0.1:{port}"
+            wait_healthy(urls[label] + health[label], procs[label])
+        for label, conc in (("llama.cpp", 1), ("kvflow", 1), ("kvflow", 8), ("llama.cpp", 8)):
+            prompts = args.num_prompts if conc == 1 else args.num_prompts * 2
+            results[(label, conc)] = run_load(urls[label], label, conc, prompts, out_dir)
+        for label, proc in procs.items():
             results[(label, "rss")] = peak_rss_mib(proc.pid)
-        finally:
+    finally:
+        for proc in procs.values():
             proc.terminate()
+        for proc in procs.values():
             proc.wait(timeout=60)
     return results
 
