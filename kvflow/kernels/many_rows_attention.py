@@ -50,15 +50,29 @@ def store_and_attend(qkv: torch.Tensor, heads: int, kv_heads: int, layer_attn: t
         qkv.data_ptr(), qkv.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), cpu_attention.CACHE_DTYPES[k_cache.dtype],
         *cpu_attention.step_args(meta)[2:], heads, kv_heads, d, k_cache.shape[1], scale, out.data_ptr(), out.stride(0),
         torch.get_num_threads()) == 0
+    decode_rows = _decode_rows(meta)
+    if decode_rows is not None:
+        out_heads.index_copy_(0, decode_rows, rows32.index_select(0, decode_rows).to(out.dtype))
+    if chunks_done:
+        return
     start = 0
     for b, (lq, lk) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
         end = start + lq
-        if lq == 1:
-            out_heads[start] = rows32[start]
-        elif lq > 1 and not chunks_done:
+        if lq > 1:
             kb, vb = (t.to(torch.bfloat16) for t in _context(k_cache, v_cache, meta, b, lk))
             _flash_bf16(q[start:end].to(torch.bfloat16), kb, vb, scale, out_heads[start:end])
         start = end
+
+
+def _decode_rows(meta: AttentionMetadata) -> torch.Tensor | None:
+    """Rows of one-token queries (None when there are none), found once per step and kept on the metadata:
+    every layer asks, and a copy per row per layer cost milliseconds in large decode batches."""
+    cached = getattr(meta, "_decode_rows", False)
+    if cached is False:
+        starts = [int(s) for s, lq in zip(meta.query_start_loc.tolist(), meta.query_lens_cpu) if lq == 1]
+        cached = torch.tensor(starts, dtype=torch.long) if starts else None
+        meta._decode_rows = cached
+    return cached
 
 
 def _flash_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor) -> None:
