@@ -22,7 +22,7 @@ from pathlib import Path
 log = logging.getLogger("kvflow")
 
 SOURCES = ("paged_attention.cpp", "packed_matmul.cpp", "decoder_step.cpp", "many_rows.cpp", "prefill_attention_amx.cpp")
-HEADERS = ("kvflow_cpu.h", "vector_exp.h", "row_ops.h")
+HEADERS = ("kvflow_cpu.h", "vector_exp.h", "row_ops.h", "amx_tiles.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
 

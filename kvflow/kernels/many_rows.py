@@ -64,7 +64,7 @@ def forward(fused: FusedDecoderStep, input_ids: torch.Tensor, positions: torch.T
     hidden = model.embed_tokens(input_ids).float().contiguous()
     normed = torch.empty(rows, width, dtype=torch.bfloat16)
     qkv = torch.empty(rows, q_size + 2 * kv_size)
-    decode_rows = torch.empty(rows, arch.num_heads, arch.head_dim)  # the C++ kernel's one-token queries
+    one_token_out = torch.empty(rows, arch.num_heads, arch.head_dim)  # the C++ kernel's one-token queries
     attn = torch.empty(rows, q_size, dtype=torch.bfloat16)
     act = torch.empty(rows, arch.intermediate_size, dtype=torch.bfloat16)
     delta = None  # the last matmul's output, not yet added to hidden
@@ -76,7 +76,7 @@ def forward(fused: FusedDecoderStep, input_ids: torch.Tensor, positions: torch.T
         projected = F.linear(normed, a.qkv_proj.dense_bf16)
         if qkv_rotary(struct, i, projected.data_ptr(), rows, positions.data_ptr(), qkv.data_ptr(), threads) == -2:
             raise ValueError(f"a position is past the model's context ({fused.struct.max_positions} positions)")
-        many_rows_attention.store_and_attend(qkv, arch.num_heads, arch.num_kv_heads, a, meta, decode_rows, attn)
+        many_rows_attention.store_and_attend(qkv, arch.num_heads, arch.num_kv_heads, a, meta, one_token_out, attn)
         delta = F.linear(attn, a.o_proj.dense_bf16)
         add_norm(hidden.data_ptr(), delta.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(), rows, width,
                  eps, normed.data_ptr(), None, threads)

@@ -14,11 +14,10 @@ import ctypes
 import functools
 
 import torch
-import torch.nn.functional as F
 
 from kvflow.kernels import build, cpu_attention
 from kvflow.layers.attention.metadata import AttentionMetadata
-from kvflow.layers.attention.sdpa import _context, _offset_causal_mask
+from kvflow.layers.attention.sdpa import _context, _offset_causal_mask, _sdpa
 
 _ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
@@ -80,7 +79,4 @@ def _flash_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     of the Lk positions of k/v [Lk, Hkv, D]."""
     lq, lk = q.shape[0], k.shape[0]
     mask = None if lq == lk else _offset_causal_mask(lq, lk, q.device)
-    qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, L, D]: the fused path
-    attended = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                              enable_gqa=True)
-    out.copy_(attended[0].transpose(0, 1))
+    out.copy_(_sdpa(q, k, v, scale, mask=mask, causal=mask is None))

@@ -27,8 +27,7 @@
 #include <immintrin.h>
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define KVFLOW_HAVE_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 #endif
 #endif
 
@@ -196,25 +195,10 @@ bool prefer_amx(const KvflowPackedWeight& w, int m) {
   return m >= kAmxMinRows || (m >= kAmxMinRowsWide && w.n >= 16 * w.k);
 }
 
-bool amx_ready() {  // Linux grants a process the AMX tile state on request (5.16 and later)
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 void configure_tiles() {
   // tmm0, tmm1: digits h, l of 16 rows x one block (32 bytes); tmm2: one block of one column group's
   // codes (8 rows of 4 inputs x 16 columns); tmm4, tmm5: int32 sums of h and l, 16 rows x 16 columns.
-  TileConfig c;
+  kvflow::TileConfig c;
   for (int t : {0, 1}) c.rows[t] = 16, c.colsb[t] = 32;
   c.rows[2] = 8, c.colsb[2] = 64;
   for (int t : {4, 5}) c.rows[t] = 16, c.colsb[t] = 64;
@@ -298,7 +282,7 @@ extern "C" int kvflow_packed_matmul(const KvflowPackedWeight* w, const float* x,
   if (w->k % kBlock || (w->bits != 4 && w->bits != 8) || m <= 0) return -1;
   const int64_t nb = w->k / kBlock;
 #ifdef KVFLOW_HAVE_AMX
-  const bool amx = prefer_amx(*w, m) && amx_ready();
+  const bool amx = prefer_amx(*w, m) && kvflow::amx_permitted();
 #else
   const bool amx = false;
 #endif

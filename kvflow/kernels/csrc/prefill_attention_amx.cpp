@@ -21,8 +21,8 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BF16__)
 #define KVFLOW_HAVE_AMX_BF16 1
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "amx_tiles.h"
 #endif
 
 namespace {
@@ -31,20 +31,8 @@ namespace {
 constexpr int kRows = 16;  // query rows per work item: one tile's rows
 constexpr int kKeys = 64;  // keys per score step (four tiles); keys are padded to a multiple
 
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Linux hands a process AMX tile state only once asked (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA).
-bool tiles_permitted() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ok;
-}
-
 void configure_tiles() {  // eight tiles of 16 rows x 64 bytes; the configuration is per thread
-  TileConfig c;
+  kvflow::TileConfig c;
   for (int t = 0; t < 8; ++t) {
     c.rows[t] = 16;
     c.colsb[t] = 64;
@@ -257,11 +245,11 @@ void attend_block(const float* q, int64_t q_stride, int d, float scale, const Se
   }
 }
 
+// Inside a parallel region: the threads share the packing. One work unit is 32 keys of one KV head of one
+// sequence (two K blocks of 16, one V block of 32); sequence i's units start at first_unit[i].
 template <typename T>
-void pack(const Cache& c, const std::vector<Sequence>& seqs, uint32_t* k_tiles, uint32_t* v_tiles) {
-  // One work unit: 32 keys of one KV head of one sequence (two K blocks of 16, one V block of 32).
-  std::vector<int> first_unit(seqs.size() + 1, 0);
-  for (size_t i = 0; i < seqs.size(); ++i) first_unit[i + 1] = first_unit[i] + c.hkv * seqs[i].padded / 32;
+void pack(const Cache& c, const std::vector<Sequence>& seqs, const std::vector<int>& first_unit, uint32_t* k_tiles,
+          uint32_t* v_tiles) {
 #pragma omp for schedule(static)
   for (int u = 0; u < first_unit.back(); ++u) {
     size_t i = 0;
@@ -289,7 +277,7 @@ extern "C" int kvflow_prefill_attention_bf16(const float* q, int64_t q_stride, c
                                              int d, int block_size, float scale, uint16_t* out, int64_t out_stride,
                                              int num_threads) {
 #ifdef KVFLOW_HAVE_AMX_BF16
-  if (d % 64 != 0 || d > 128 || hkv < 1 || hq % hkv != 0 || cache_dtype < 0 || cache_dtype > 2 || !tiles_permitted())
+  if (d % 64 != 0 || d > 128 || hkv < 1 || hq % hkv != 0 || cache_dtype < 0 || cache_dtype > 2 || !kvflow::amx_permitted())
     return -1;
   const Cache cache{k_cache, v_cache, cache_dtype, block_size, hkv, d};
   std::vector<Sequence> seqs;
@@ -308,6 +296,8 @@ extern "C" int kvflow_prefill_attention_bf16(const float* q, int64_t q_stride, c
   for (size_t i = 0; i < seqs.size(); ++i)
     for (int r0 = (seqs[i].lq - 1) / kRows * kRows; r0 >= 0; r0 -= kRows)
       for (int h = 0; h < hq; ++h) items.push_back({static_cast<int>(i), r0, h});
+  std::vector<int> first_unit(seqs.size() + 1, 0);
+  for (size_t i = 0; i < seqs.size(); ++i) first_unit[i + 1] = first_unit[i] + hkv * seqs[i].padded / 32;
   thread_local std::vector<uint32_t> k_tiles, v_tiles;  // reused across calls: no page faults per layer
   k_tiles.resize(words * hkv);
   v_tiles.resize(words * hkv);
@@ -316,9 +306,9 @@ extern "C" int kvflow_prefill_attention_bf16(const float* q, int64_t q_stride, c
   const int group = hq / hkv, num_items = static_cast<int>(items.size());
 #pragma omp parallel num_threads(num_threads)
   {
-    if (cache_dtype == 0) pack<float>(cache, seqs, kt, vt);
-    else if (cache_dtype == 1) pack<uint16_t>(cache, seqs, kt, vt);
-    else pack<_Float16>(cache, seqs, kt, vt);
+    if (cache_dtype == 0) pack<float>(cache, seqs, first_unit, kt, vt);
+    else if (cache_dtype == 1) pack<uint16_t>(cache, seqs, first_unit, kt, vt);
+    else pack<_Float16>(cache, seqs, first_unit, kt, vt);
     configure_tiles();
     thread_local Scratch scratch;
 #pragma omp for schedule(dynamic, 1)
