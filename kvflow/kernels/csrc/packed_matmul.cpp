@@ -36,7 +36,7 @@ namespace {
 #ifdef KVFLOW_HAVE_VNNI
 
 constexpr int kBlock = 32;
-constexpr int32_t kMaxInt = 32639;
+constexpr int32_t kMaxInt = 32639;  // |x| <= this keeps the high digit h = (x + 128) >> 8 within a signed byte
 // How far ahead in each column group's bytes tile_group asks for weights. The hardware prefetcher alone
 // left a decode step's matrices at 15 GB/s from DRAM here; 1280 bytes (4 blocks of Q4_1) ahead gave 7%
 // more at one row and 15 to 20% at 4 and 8 rows, where the integer work hides behind the loads.
@@ -45,7 +45,7 @@ constexpr size_t kPrefetchBytes = 1280;
 inline void prefetch_ahead(const uint8_t* block, size_t bytes) {  // the bytes kPrefetchBytes past block
   for (size_t line = 0; line < bytes; line += 64)
     _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchBytes + line), _MM_HINT_T0);
-}  // |x| <= this keeps the high digit h = (x + 128) >> 8 within a signed byte
+}
 
 struct Rows {  // the rows' inputs as digits h, l (int8 [m, k]) and per block: scale and sum of the inputs
   const int8_t* hi;

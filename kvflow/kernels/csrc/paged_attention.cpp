@@ -352,20 +352,23 @@ void run(const float* q, int64_t q_stride, const float* k_new, int64_t k_stride,
   // of a sequence whose step brings qlen tokens sits at position seq_len - qlen + r and sees the
   // context up to and including itself). Row i's chunk c is work item first_chunk[i] + c.
   struct Row { int out_row, seq, context; };
-  std::vector<Row> rows;
+  thread_local std::vector<Row> rows;
+  rows.clear();
   for (int b = 0; b < num_seqs; ++b) {
     const int qlen = query_start[b + 1] - query_start[b];
     if (qlen == 0 || (qlen != 1 && !all_rows)) continue;
     for (int r = 0; r < qlen; ++r) rows.push_back({query_start[b] + r, b, seq_lens[b] - qlen + r + 1});
   }
   const int num_rows = static_cast<int>(rows.size());
-  std::vector<int> first_chunk(num_rows + 1, 0);
+  thread_local std::vector<int> first_chunk;
+  first_chunk.assign(num_rows + 1, 0);
   for (int i = 0; i < num_rows; ++i) first_chunk[i + 1] = first_chunk[i] + (rows[i].context + kChunk - 1) / kChunk;
   const int total_chunks = first_chunk[num_rows];
   // Work items: a chunk of positions for a run of up to kRowBlock consecutive rows of one sequence (a
   // one-token query is a run of one). Row i's result for its chunk c lands at first_chunk[i] + c.
   struct Item { int first_row, count, chunk; };
-  std::vector<Item> items;
+  thread_local std::vector<Item> items;
+  items.clear();
   for (int i = 0; i < num_rows;) {
     int end = i + 1;
     while (end < num_rows && end - i < kRowBlock && rows[end].seq == rows[i].seq) ++end;
@@ -375,32 +378,42 @@ void run(const float* q, int64_t q_stride, const float* k_new, int64_t k_stride,
   }
   const int num_items = static_cast<int>(items.size());
   // Partial results per (row's chunk, query head): max, sum, acc[d].
-  std::vector<float> part_max(static_cast<size_t>(total_chunks) * hq);
-  std::vector<float> part_sum(static_cast<size_t>(total_chunks) * hq);
-  std::vector<float> part_acc(static_cast<size_t>(total_chunks) * hq * d);
+  // Every entry a row's merge reads is written by its chunk's work item first: no zeroing needed.
+  thread_local std::vector<float> part_max, part_sum, part_acc;
+  part_max.resize(static_cast<size_t>(total_chunks) * hq);
+  part_sum.resize(static_cast<size_t>(total_chunks) * hq);
+  part_acc.resize(static_cast<size_t>(total_chunks) * hq * d);
   // Waking a thread team costs microseconds: short contexts run on the calling thread. The split into
   // chunks, and so the result, is the same either way.
   const int team = num_items >= 4 ? num_threads : 1;
+  // The team reads the calling thread's buffers: thread_local names would resolve to each thread's own.
+  const Row* const rows_at = rows.data();
+  const Item* const items_at = items.data();
+  const int* const first_chunk_at = first_chunk.data();
+  float* const max_at = part_max.data();
+  float* const sum_at = part_sum.data();
+  float* const acc_at = part_acc.data();
 #pragma omp parallel num_threads(team) if (team > 1)
   {
-    std::vector<float> scores(static_cast<size_t>(kChunk) * hq);
-    std::vector<int64_t> offsets(kChunk);
+    thread_local std::vector<float> scores;
+    thread_local std::vector<int64_t> offsets;
+    scores.resize(static_cast<size_t>(kChunk) * hq);
+    offsets.resize(kChunk);
     const float* q_rows[kRowBlock];
     int contexts[kRowBlock];
     size_t part_at[kRowBlock];
 #pragma omp for schedule(dynamic, 1)
     for (int it = 0; it < num_items; ++it) {
-      const Item& item = items[it];
+      const Item& item = items_at[it];
       for (int r = 0; r < item.count; ++r) {
-        const Row& row = rows[item.first_row + r];
+        const Row& row = rows_at[item.first_row + r];
         q_rows[r] = q + row.out_row * q_stride;
         contexts[r] = row.context;
-        part_at[r] = static_cast<size_t>(first_chunk[item.first_row + r] + item.chunk) * hq;
+        part_at[r] = static_cast<size_t>(first_chunk_at[item.first_row + r] + item.chunk) * hq;
       }
-      const Row& first = rows[item.first_row];
+      const Row& first = rows_at[item.first_row];
       attend_rows(q_rows, contexts, part_at, item.count, k_cache, v_cache, tables + first.seq * s.table_stride,
-                  item.chunk * kChunk, s, scores.data(), offsets.data(), part_max.data(), part_sum.data(),
-                  part_acc.data());
+                  item.chunk * kChunk, s, scores.data(), offsets.data(), max_at, sum_at, acc_at);
     }
   }
   // Merge each row's chunks in order.
