@@ -41,9 +41,10 @@ def test_layout_round_trip_and_accuracy(bits, n, k):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-# 200 x 576: VNNI below 16 rows, AMX int8 tiles from 16 where the CPU has them. 2048 x 64: a wide,
-# shallow matrix like the output head, on the tiles from 8 rows.
-@pytest.mark.parametrize(("n", "k"), [(200, 576), (2048, 64)])
+# 200 x 576: VNNI below 16 rows, AMX int8 tiles from 16 where the CPU has them; on one thread at one row.
+# 960 x 576: the same paths, split across threads already at one row (a layer's qkv projection). 2048 x 64:
+# a wide, shallow matrix like the output head, on tiles 8 rows high at 8 rows and 16 high from 16.
+@pytest.mark.parametrize(("n", "k"), [(200, 576), (960, 576), (2048, 64)])
 def test_rows_do_not_depend_on_the_batch_or_threads(bits, n, k):
     bq = codes(bits, n, k, seed=1)
     pw = packed_matmul.pack(bq)
