@@ -94,6 +94,7 @@ def run_latency(
     probe: dict | None = None,
     **engine_options: Any,
 ) -> dict:
+    prompts = [n for n in prompts if n > 0]  # llama-bench's -p 0 / -n 0: skip that kind of test
     longest = max(max(prompts, default=1), 1) + max(depths) + n_gen + 32
     engine_options.setdefault("max_num_batched_tokens", max(max(prompts, default=0) + max(depths), 2048))
     engine_options.setdefault("max_num_seqs", max(batches))
@@ -127,7 +128,7 @@ def run_latency(
             tps = n / statistics.median(times)
             roof = flops_rate / (shape.prefill_flops(n, depth, all_logits=False) / n)
             results.append(_row(f"pp{n}", n, 0, depth, 1, tps, roof))
-        for batch in batches:
+        for batch in batches if n_gen > 0 else []:
             rates = [measure_decode(llm, n_gen, depth, batch, gen) for _ in range(reps)]
             tps = statistics.median(rates)
             per_step = weight_bytes + kv_bytes * batch * (depth + n_gen / 2)
