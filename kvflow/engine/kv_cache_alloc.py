@@ -6,9 +6,9 @@ import functools
 import logging
 import math
 
-import numpy as np
 import torch
 
+from kvflow.kernels.huge_pages import huge_page_zeros
 from kvflow.models.arch import ArchConfig
 
 log = logging.getLogger("kvflow")
@@ -50,7 +50,7 @@ def allocate_kv_cache(
 
 def _untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Zeros whose pages the OS maps on first write: a large CPU cache costs resident memory only as
-    sequences fill it (torch.zeros writes every byte up front). numpy's zeros is calloc, which for large
-    sizes maps fresh zero pages."""
+    sequences fill it (torch.zeros writes every byte up front). On huge pages where the OS grants them
+    (kernels/huge_pages): a decode step reads every cached block of its sequences."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    return huge_page_zeros(nbytes).view(dtype).view(shape)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvflow.kernels import build
+from kvflow.kernels.huge_pages import onto_huge_pages
 
 if TYPE_CHECKING:
     from kvflow.layers.quant.packing import BlockQuant
@@ -51,6 +52,15 @@ class PackedWeight:
 
     def nbytes(self) -> int:
         return self.data.numel()
+
+
+def move_to_huge_pages(weights: list[PackedWeight]) -> None:
+    """Put the weights' bytes side by side on huge pages (kernels/huge_pages), in the order given: a decode
+    step streams every one of them, and on 4 KiB pages each page costs a TLB miss."""
+    for pw, data in zip(weights, onto_huge_pages([pw.data for pw in weights])):
+        if data is not pw.data:
+            pw.data = data
+            pw.__post_init__()  # the struct the C++ kernels read points at the new bytes
 
 
 def _f16_exact(t: torch.Tensor) -> bool:

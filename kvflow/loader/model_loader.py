@@ -14,8 +14,10 @@ import torch
 
 from kvflow.config import ModelConfig
 from kvflow.errors import ModelLoadError
+from kvflow.kernels import packed_matmul
 from kvflow.kernels.decoder_step import FusedDecoderStep
 from kvflow.layers.linear import cpu_has_amx, enable_amx_prefill
+from kvflow.layers.quant.packed_linear import PackedLinear
 from kvflow.loader import gguf_file, hf_folder, quantized_loading
 from kvflow.loader.resolve import ResolvedModel, resolve_model
 from kvflow.loader.tokenizer import load_tokenizer
@@ -139,6 +141,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     model.eval()
     log.info("loaded %s (%s) on %s in %s", resolved.name, arch.architecture, device, str(dtype).split(".")[-1])
     if fast_cpu and quantization is not None:
+        packed_matmul.move_to_huge_pages([m.packed for m in model.modules() if isinstance(m, PackedLinear)])
         model.fused_step = FusedDecoderStep.for_model(model)
     fused = getattr(model, "fused_step", None)
     if fused is not None:
