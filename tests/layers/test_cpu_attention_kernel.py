@@ -30,7 +30,8 @@ def run_kernel(batch, scale=0.125):
     return out
 
 
-@pytest.mark.parametrize("seq_lens", [[1], [37], [128], [129], [1000, 3, 513]])
+# 2047 and 2048: each side of where contexts switch from 128- to 256-position chunks.
+@pytest.mark.parametrize("seq_lens", [[1], [37], [128], [129], [1000, 3, 513], [2047, 2048, 2600]])
 @pytest.mark.parametrize("group", [1, 3, 8, 16])
 # 64 and 128: the fixed-size paths (positions scored in fours / pairs, value heads in passes of 4 / 2);
 # 40: not a multiple of the vector width, the plain loops.
@@ -115,10 +116,12 @@ def test_refuses_what_it_cannot_take():
     assert not cpu_attention.supports(batch.q, batch.k, batch.v, batch.k_cache, metadata(batch))
 
 
+# The second set: a chunk whose rows' contexts cross 2048 (128- then 256-position chunks).
+@pytest.mark.parametrize(("seq_lens", "query_lens"), [([40, 21, 9, 300], [7, 1, 9, 130]), ([2080, 5], [60, 1])])
 @pytest.mark.parametrize("head_dim", [64, 128, 40])
-def test_all_rows_match_reference_in_a_mixed_step(head_dim):
+def test_all_rows_match_reference_in_a_mixed_step(head_dim, seq_lens, query_lens):
     """all_rows: prefill rows (a fresh prompt, a chunk after cached context) and decode rows alike."""
-    batch = make_paged_batch([40, 21, 9, 300], [7, 1, 9, 130], num_kv_heads=2, group=3, head_dim=head_dim,
+    batch = make_paged_batch(seq_lens, query_lens, num_kv_heads=2, group=3, head_dim=head_dim,
                              block_size=16, dtype=torch.float32, device=CPU)
     expected = batch.reference_output(scale=0.125)
     out = torch.zeros(batch.q.shape)
@@ -127,13 +130,14 @@ def test_all_rows_match_reference_in_a_mixed_step(head_dim):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 40])
-def test_all_rows_result_does_not_depend_on_chunking(head_dim):
-    """A 300-token prompt attended in one step, or as chunks of 100 and 200 tokens (the second over the
-    cached first part), or one token at a time, on 2 threads or 1: every row bitwise equal. Rows are
-    grouped 16 at a time per chunk of positions, but each row's arithmetic is its own."""
+# 2060 tokens: the later rows' contexts cross 2048, where a row's positions go in longer chunks.
+@pytest.mark.parametrize(("head_dim", "n"), [(64, 300), (128, 300), (40, 300), (64, 2060)])
+def test_all_rows_result_does_not_depend_on_chunking(head_dim, n):
+    """A prompt attended in one step, or as chunks of a third and two thirds (the second over the cached
+    first part), or one token at a time, on 2 threads or 1: every row bitwise equal. Rows are grouped 16
+    at a time per chunk of positions, but each row's arithmetic is its own."""
     torch.manual_seed(0)
-    hkv, group, d, block, n = 2, 3, head_dim, 16, 300
+    hkv, group, d, block = 2, 3, head_dim, 16
     q, k, v = torch.randn(n, hkv * group, d), torch.randn(n, hkv, d), torch.randn(n, hkv, d)
     blocks = -(-n // block)
     table = torch.randperm(blocks + 4)[:blocks].to(torch.int32)[None]
@@ -152,7 +156,7 @@ def test_all_rows_result_does_not_depend_on_chunking(head_dim):
     shape = (blocks + 4, block, hkv, d)
     whole = step(0, n, torch.zeros(shape, dtype=torch.float16), torch.zeros(shape, dtype=torch.float16))
     kc, vc = torch.zeros(shape, dtype=torch.float16), torch.zeros(shape, dtype=torch.float16)
-    split = torch.cat([step(0, 100, kc, vc), step(100, n, kc, vc)])
+    split = torch.cat([step(0, n // 3, kc, vc), step(n // 3, n, kc, vc)])
     assert torch.equal(whole, split)
     kc, vc = torch.zeros(shape, dtype=torch.float16), torch.zeros(shape, dtype=torch.float16)
     threads = torch.get_num_threads()
