@@ -5,19 +5,20 @@ Linux backs a mapping with transparent huge pages only where it was asked to (MA
 /sys/kernel/mm/transparent_hugepage/enabled is "madvise") before the memory is first touched, so the
 buffer is a fresh anonymous mapping, advised, then filled. Pages are still mapped on first write, so a
 large KV cache costs resident memory only as it fills (in 2 MiB steps). Where the advice is not
-available the buffer is an ordinary one.
+available (or with KVFLOW_HUGE_PAGES=0) the buffer is an ordinary one.
 """
 
 from __future__ import annotations
 
 import mmap
+import os
 
 import numpy as np
 import torch
 
 HUGE_PAGE = 2 << 20
 MIN_BYTES = HUGE_PAGE  # smaller buffers would not fill one huge page
-enabled = True  # a switch for A/B measurements
+enabled = os.environ.get("KVFLOW_HUGE_PAGES", "1") != "0"  # KVFLOW_HUGE_PAGES=0: ordinary pages
 
 
 def huge_page_zeros(nbytes: int) -> torch.Tensor:

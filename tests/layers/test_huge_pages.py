@@ -4,6 +4,9 @@ pages where Linux grants them, with the same values as ordinary buffers."""
 from __future__ import annotations
 
 import mmap
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -106,3 +109,12 @@ def test_loaded_packed_weights_share_one_huge_page_buffer(fast_loaded):
     assert anon_huge_kib(starts[0]) * 1024 >= total // 2
     for pw in packed:  # the structs the C++ kernels read point at the moved bytes
         assert isinstance(pw, PackedWeight) and pw.struct.data == pw.data.data_ptr()
+
+
+def test_env_switch_turns_huge_pages_off():
+    code = ("from kvflow.kernels import huge_pages as h; import torch; b = h.huge_page_zeros(8 << 20); "
+            "t = [torch.ones(1 << 20)]; print(h.enabled, h.onto_huge_pages(t)[0] is t[0], b._base is None)")
+    env = {**os.environ, "KVFLOW_HUGE_PAGES": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "True", "True"]  # off, nothing moved, a plain (calloc) buffer
