@@ -97,6 +97,8 @@ def test_kv_cache_starts_untouched_and_on_huge_pages():
             assert k.data_ptr() % huge_pages.HUGE_PAGE == 0 and v.data_ptr() % huge_pages.HUGE_PAGE == 0
 
 
+# Skipped only where Linux grants no transparent huge pages (THP "never", or not Linux): there the weights
+# stay where packing put them, as intended. CI's machines, like this one, run THP in "madvise" mode.
 @pytest.mark.skipif(not HUGE_PAGES_EXPECTED, reason="the machine grants no transparent huge pages (CI's does)")
 def test_loaded_packed_weights_share_one_huge_page_buffer(fast_loaded):
     packed = [m.packed for m in fast_loaded.model.modules() if isinstance(m, PackedLinear)]
