@@ -60,7 +60,7 @@ def move_to_huge_pages(weights: list[PackedWeight]) -> None:
     for pw, data in zip(weights, onto_huge_pages([pw.data for pw in weights])):
         if data is not pw.data:
             pw.data = data
-            pw.__post_init__()  # the struct the C++ kernels read points at the new bytes
+            pw.struct.data = data.data_ptr()  # the struct the C++ kernels read points at the new bytes
 
 
 def _f16_exact(t: torch.Tensor) -> bool:
