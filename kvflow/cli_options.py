@@ -27,6 +27,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     m, c, s = ModelConfig(), CacheConfig(), SchedulerConfig()
     g = p.add_argument_group("engine")
     g.add_argument("--model", "-m", default=None, help="path, .gguf file, alias or hub id (default: smollm2-135m)")
+    g.add_argument("--mode", default=m.mode, choices=["auto", "fast", "exact"],
+                   help="fast: packed weights, float16 cache, one C++ call a step on CPU; exact (CPU): float32, "
+                        "outputs independent of batching; auto: exact with --dtype float32, else fast")
     g.add_argument("--dtype", default=m.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default=m.device, help="auto, cpu or cuda")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
@@ -51,7 +54,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
 
 def engine_options(args: argparse.Namespace) -> dict:
     return dict(
-        model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        model=args.model, mode=args.mode, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         long_prefill_token_threshold=args.long_prefill_token_threshold,

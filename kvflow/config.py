@@ -11,6 +11,8 @@ class ModelConfig:
     """What to load and how to run it."""
 
     model: str | None = None  # name, path, alias or hub id; None means the default model
+    # fast | exact | auto (auto: exact where dtype is float32 on CPU, else fast); see executors/plan.py.
+    mode: str = "auto"
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
     max_model_len: int | None = None  # None: the model's own context length

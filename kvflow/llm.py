@@ -13,7 +13,7 @@ from typing import Any
 
 from kvflow.config import engine_config
 from kvflow.engine.engine import LLMEngine
-from kvflow.loader.model_loader import LoadedModel
+from kvflow.executors.model_setup import LoadedModel
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
 

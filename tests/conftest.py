@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import TINY_ARCHS, make_tiny_checkpoint
+from tiny_models import TINY_ARCHS, TINY_CONTEXT, TINY_NAME, make_tiny_checkpoint
 
 # Tests build many engines, servers and CLI runs; compiling each would take minutes. The compiled path has
 # its own tests, which ask for it explicitly. Subprocesses (servers, the CLI) inherit this.
 os.environ.setdefault("KVFLOW_COMPILE", "off")
+# The Triton kernels run on a real GPU when there is one, else under Triton's interpreter on the CPU; triton
+# reads TRITON_INTERPRET when it is first imported, so it is set here, before any test module imports it.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def default_gguf_path() -> Path:
@@ -30,7 +35,7 @@ def default_gguf() -> Path:
 def default_loaded():
     """kvflow's load of the default model in float32, shared by every test that only needs to run it."""
     from kvflow.config import ModelConfig
-    from kvflow.loader.model_loader import load_model
+    from kvflow.executors.model_setup import load_model
 
     return load_model(ModelConfig(dtype="float32", device="cpu", max_model_len=4096))
 
@@ -39,7 +44,7 @@ def default_loaded():
 def packed_loaded():
     """The default model with its Q4_1/Q8_0 weights kept packed (quantization="gguf"), float32 around them."""
     from kvflow.config import ModelConfig
-    from kvflow.loader.model_loader import load_model
+    from kvflow.executors.model_setup import load_model
 
     return load_model(ModelConfig(dtype="float32", device="cpu", max_model_len=4096, quantization="gguf"))
 
@@ -49,7 +54,7 @@ def fast_loaded():
     """The default model as the server loads it on CPU (dtype auto: the fast mode): packed weights, the
     fused C++ step for few-row steps, bfloat16 AMX copies for prefill (compile is off in tests)."""
     from kvflow.config import ModelConfig
-    from kvflow.loader.model_loader import load_model
+    from kvflow.executors.model_setup import load_model
 
     return load_model(ModelConfig(device="cpu", max_model_len=4096))
 
@@ -69,3 +74,13 @@ def hf_default(default_gguf):
 def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
     return {name: make_tiny_checkpoint(name, root / name) for name in TINY_ARCHS}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    folder = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("models") / TINY_NAME)
+    config_file = folder / "config.json"
+    config = json.loads(config_file.read_text())
+    config["max_position_embeddings"] = TINY_CONTEXT
+    config_file.write_text(json.dumps(config))
+    return folder

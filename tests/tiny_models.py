@@ -7,6 +7,10 @@ from pathlib import Path
 import torch
 
 TINY_VOCAB = 384
+TINY_NAME = "tiny-llama"  # the tiny Llama that tests serve (conftest.tiny_model_dir)
+# A longer context than the tiny checkpoint's 512, so streams can run long enough (thousands of tiny,
+# fast steps) that tests can act on them mid-flight even on a busy machine.
+TINY_CONTEXT = 4096
 
 COMMON = dict(
     vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

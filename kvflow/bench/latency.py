@@ -22,8 +22,8 @@ import torch
 from kvflow.bench.probe import bandwidth_bytes_per_s, load_probe, matmul_flop_per_s, run_probe, save_probe
 from kvflow.bench.roofline import ModelShape
 from kvflow.config import engine_config
+from kvflow.executors.model_setup import load_model
 from kvflow.llm import LLM
-from kvflow.loader.model_loader import load_model
 from kvflow.sampling_params import SamplingParams
 
 

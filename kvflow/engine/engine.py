@@ -20,8 +20,8 @@ from kvflow.engine.request_state import RequestGroup, SequenceState
 from kvflow.engine.runner import ModelRunner
 from kvflow.engine.scheduler import Scheduler
 from kvflow.engine.scheduler_output import ScheduledSequence, SchedulerOutput
+from kvflow.executors.model_setup import LoadedModel, load_model, set_threads
 from kvflow.layers.sampler import Sampler, SamplingRow, make_generator
-from kvflow.loader.model_loader import LoadedModel, load_model, set_threads
 from kvflow.outputs import Logprob, RequestOutput
 from kvflow.sampling_params import SamplingParams
 

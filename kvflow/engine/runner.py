@@ -1,7 +1,8 @@
 """ModelRunner: turns a SchedulerOutput into one forward pass over a flat batch and returns logits.
 
 Every prefill chunk and decode token of the step goes into one 1-D token tensor, with positions,
-cache slots, per-sequence query offsets, context lengths and block tables.
+cache slots, per-sequence query offsets, context lengths and block tables. The runner owns the KV cache;
+how the step then runs (which kernels, which device path) is its executor's business (kvflow/executors).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from kvflow.engine.kv_cache_alloc import (
     default_kv_cache_memory,
     num_blocks_for,
 )
+from kvflow.executors.model_setup import LoadedModel, build_executor
+from kvflow.executors.plan import DTYPES
 from kvflow.layers.attention.metadata import AttentionMetadata
-from kvflow.loader.model_loader import DTYPES, LoadedModel
 
 log = logging.getLogger("kvflow")
 
@@ -34,21 +36,6 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # rows of the flat batch whose logits are sampled
     sample_request_ids: list[str]
-
-
-def choose_backend(device: torch.device, name: str = "auto", exact: bool = False):
-    from kvflow.layers.attention.backend import ReferenceBackend
-    from kvflow.layers.attention.sdpa import SDPABackend
-    from kvflow.layers.attention.triton_backend import TritonBackend, triton_available
-
-    backends = {"reference": ReferenceBackend, "sdpa": SDPABackend, "triton": TritonBackend}
-    if name == "auto":
-        name = "triton" if device.type == "cuda" and triton_available() else "sdpa"
-    if name not in backends:
-        raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(backends)}")
-    # Prefill attention stays float32 even in the fast mode: bf16 (2x faster on AMX) moved SmolLM2's
-    # answer to "What is the capital of France?" off "The capital of France is Paris." (a near tie).
-    return SDPABackend(exact=exact) if name == "sdpa" else backends[name]()
 
 
 class ModelRunner:
@@ -76,30 +63,14 @@ class ModelRunner:
             per_block = bytes_per_block(loaded.arch, self.block_size, self.kv_dtype)
             raise ValueError(f"kv_cache_memory is too small for even one block ({per_block} bytes)")
         self.kv_caches = allocate_kv_cache(loaded.arch, self.num_blocks, self.block_size, self.kv_dtype, self.device)
-        self.backend = choose_backend(self.device, attention_backend, exact=loaded.batch_invariant)
-        self.bind_kv_cache()
-        self.graphs = None
-        if cuda_graphs and self.device.type == "cuda" and getattr(self.backend, "supports_cuda_graphs", False):
-            from kvflow.engine.cuda_graphs import CudaGraphRunner
-
-            max_blocks = -(-loaded.max_model_len // self.block_size)
-            self.graphs = CudaGraphRunner(self.model, self.backend, max_num_seqs, max_blocks, self.device)
-            self.graphs.capture()  # after the cache exists: graphs keep its addresses
+        max_blocks = -(-loaded.max_model_len // self.block_size)
+        self.executor = build_executor(loaded, self.kv_caches, attention_backend, max_num_seqs, max_blocks, cuda_graphs)
         log.info(
             "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %s)",
             self.num_blocks, self.block_size, self.capacity_tokens,
             self.num_blocks * bytes_per_block(loaded.arch, self.block_size, self.kv_dtype) / 2**20,
             str(self.kv_dtype).split(".")[-1],
         )
-
-    def bind_kv_cache(self) -> None:
-        """Point every attention layer at this runner's cache and backend. Done before each step too, so
-        several engines may share one loaded model (tests, benchmarks) as long as they take turns."""
-        layers = self.model.attention_layers
-        if layers and layers[0].k_cache is self.kv_caches[0][0] and layers[0].backend is self.backend:
-            return  # still ours (nn.Module attribute writes cost microseconds each, every step)
-        for layer, (k_cache, v_cache) in zip(layers, self.kv_caches):
-            layer.k_cache, layer.v_cache, layer.backend = k_cache, v_cache, self.backend
 
     @property
     def capacity_tokens(self) -> int:
@@ -161,16 +132,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output) -> tuple[torch.Tensor, list[str]]:
         """Run one step; returns float32 logits [num sampled sequences, vocab] and their request ids."""
-        self.bind_kv_cache()
         self.copy_blocks(scheduler_output.block_copies)
         if not scheduler_output.scheduled:
             return torch.empty(0, self.loaded.arch.vocab_size), []
         inputs = self.prepare(scheduler_output.scheduled)
-        if self.graphs is not None and self.graphs.can_run(inputs.meta):
-            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
-        else:
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        if not inputs.sample_request_ids:
-            return torch.empty(0, self.loaded.arch.vocab_size), []
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        return logits.float(), inputs.sample_request_ids
+        return self.executor.execute(inputs), inputs.sample_request_ids

@@ -1,4 +1,5 @@
-"""Build and load kvflow's C++ CPU kernels: compiled once per machine, cached, loaded through ctypes.
+"""Build and load kvflow's C++ CPU kernels: compiled once per machine, cached, loaded through ctypes
+(kernels/abi gives the loaded library its signatures, from csrc/kvflow_cpu.h).
 
 The sources are plain C++ with an `extern "C"` interface and no PyTorch headers, so a build takes a
 second or two rather than the half minute a torch extension needs. They use OpenMP; the process already
@@ -21,9 +22,10 @@ from pathlib import Path
 
 log = logging.getLogger("kvflow")
 
-SOURCES = ("paged_attention.cpp", "packed_matmul.cpp", "decoder_step.cpp", "many_rows.cpp", "prefill_attention_amx.cpp")
-HEADERS = ("kvflow_cpu.h", "vector_exp.h", "row_ops.h", "amx_tiles.h")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+SOURCES = ("tuning.cpp", "paged_attention.cpp", "packed_matmul.cpp", "packed_exact.cpp", "decoder_forward.cpp",
+           "prefill_attention_amx.cpp")
+HEADERS = ("kvflow_cpu.h", "tuning.h", "attention_rows.h", "packed_amx.h", "vector_exp.h", "row_ops.h", "amx_tiles.h")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-Wno-maybe-uninitialized")
 
 
 def cache_dir() -> Path:
@@ -91,14 +93,3 @@ def load() -> ctypes.CDLL | None:
         detail = getattr(exc, "stderr", "") or str(exc)
         log.warning("CPU kernels failed to build, using PyTorch ops instead: %s", detail.strip()[:500])
         return None
-
-
-@functools.cache
-def function(name: str, argtypes: tuple, restype=ctypes.c_int):
-    """One of the library's `extern "C"` functions with its ctypes signature, or None without the library."""
-    lib = load()
-    if lib is None:
-        return None
-    fn = getattr(lib, name)
-    fn.argtypes, fn.restype = list(argtypes), restype
-    return fn

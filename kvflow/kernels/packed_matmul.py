@@ -1,10 +1,10 @@
-"""Python side of the packed-weight matmul (csrc/packed_matmul.cpp): the byte layout and the call.
+"""Python side of the packed-weight matmul (csrc/packed_matmul.cpp): the byte layout and the calls.
 
-`pack()` turns group-wise affine codes (`BlockQuant`, from GGUF Q4_0 / Q4_1 / Q8_0 or our own int4/int8
-quantization) into the kernel's layout, described in csrc/kvflow_cpu.h; `matmul()` runs it. The codes
-and the float16 scales are kept exactly, so the kernel computes with the GGUF's own weights; the only
-rounding it adds is the inputs' quantization to 16-bit integers per block of 32 (2^-16 of the block's
-largest input).
+`pack()` turns group-wise affine codes (w = scale * q + offset per group of 32 inputs: GGUF Q4_0 / Q4_1 /
+Q8_0 or our own int4/int8 quantization) into the kernel's layout, described in csrc/kvflow_cpu.h;
+`matmul()` runs it. The codes and the float16 scales are kept exactly, so the kernel computes with the
+GGUF's own weights; the only rounding it adds is the inputs' quantization to 16-bit integers per block of
+32 (2^-16 of the block's largest input).
 """
 
 from __future__ import annotations
@@ -12,26 +12,15 @@ from __future__ import annotations
 import ctypes
 import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-from kvflow.kernels import build
+from kvflow.kernels import abi
 from kvflow.kernels.huge_pages import onto_huge_pages
-
-if TYPE_CHECKING:
-    from kvflow.layers.quant.packing import BlockQuant
 
 GROUP = 32  # inputs per block (one scale and offset per block and column)
 COLUMNS = 16  # output columns side by side in one vector
 INPUT_STEPS = 32639  # inputs are quantized per block to integers within +-INPUT_STEPS (kMaxInt in the C++)
-
-
-class PackedWeightStruct(ctypes.Structure):
-    """Mirror of KvflowPackedWeight (csrc/kvflow_cpu.h)."""
-
-    _fields_ = [("data", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
-                ("bits", ctypes.c_int32), ("has_offset", ctypes.c_int32)]
 
 
 @dataclass
@@ -41,10 +30,11 @@ class PackedWeight:
     k: int
     bits: int
     has_offset: bool
-    struct: PackedWeightStruct = field(init=False, repr=False)
+    struct: abi.KvflowPackedWeight = field(init=False, repr=False)  # what the C++ kernels read
 
     def __post_init__(self) -> None:
-        self.struct = PackedWeightStruct(self.data.data_ptr(), self.n, self.k, self.bits, int(self.has_offset))
+        self.struct = abi.KvflowPackedWeight(data=self.data.data_ptr(), n=self.n, k=self.k, bits=self.bits,
+                                             has_offset=int(self.has_offset))
 
     @property
     def code_bytes(self) -> int:
@@ -67,26 +57,26 @@ def _f16_exact(t: torch.Tensor) -> bool:
     return bool(torch.equal(t.half().float(), t)) and bool(torch.isfinite(t.half()).all())
 
 
-def can_pack(bq: BlockQuant) -> bool:
+def can_pack(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int, bits: int) -> bool:
     """Whether `pack` keeps these codes exactly: groups of 32, scales and offsets exact in float16."""
-    if bq.group_size != GROUP or bq.q.shape[1] % GROUP or bq.bits not in (4, 8):
+    if group_size != GROUP or q.shape[1] % GROUP or bits not in (4, 8):
         return False
-    return _f16_exact(bq.scale) and _f16_exact(bq.offset)
+    return _f16_exact(scale) and _f16_exact(offset)
 
 
-def pack(bq: BlockQuant) -> PackedWeight:
-    """The kernel's layout for these codes; raises ValueError where `can_pack` is false."""
-    if not can_pack(bq):
+def pack(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int, bits: int) -> PackedWeight:
+    """The kernel's layout for codes q uint8 [n, k] with scale and offset float32 [n, k // group_size];
+    raises ValueError where `can_pack` is false."""
+    if not can_pack(q, scale, offset, group_size, bits):
         raise ValueError("packed matmul needs groups of 32 inputs and float16-exact scales and offsets")
-    n, k = bq.shape
+    n, k = q.shape
     groups, blocks = -(-n // COLUMNS), k // GROUP
     pad = groups * COLUMNS - n
-    q, scale, offset = bq.q, bq.scale, bq.offset
     if pad:
         q = torch.cat([q, q.new_zeros(pad, k)])
         scale = torch.cat([scale, scale.new_zeros(pad, blocks)])
         offset = torch.cat([offset, offset.new_zeros(pad, blocks)])
-    if bq.bits == 4:
+    if bits == 4:
         # input k = 8 row + 4 half + t -> byte (row, column, t): half 0 in the low nibble, 1 in the high
         q6 = q.view(groups, COLUMNS, blocks, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)
         codes = (q6[:, :, :, 0] | (q6[:, :, :, 1] << 4)).reshape(groups, blocks, 256)
@@ -99,7 +89,7 @@ def pack(bq: BlockQuant) -> PackedWeight:
 
     parts = [codes, per_block(scale)] + ([per_block(offset)] if has_offset else [])
     data = torch.cat(parts, dim=-1).contiguous()
-    return PackedWeight(data, n, k, bq.bits, has_offset)
+    return PackedWeight(data, n, k, bits, has_offset)
 
 
 def codes(pw: PackedWeight, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -134,37 +124,11 @@ def dequantize(pw: PackedWeight, rows: torch.Tensor | None = None) -> torch.Tens
     return w.view(q.shape[0], pw.k)
 
 
-_i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-
-
-@functools.cache  # resolved once: called on the per-step path
-def _kernel():
-    return build.function("kvflow_packed_matmul", (ctypes.POINTER(PackedWeightStruct), _ptr, _i64, _i32, _ptr, _i64,
-                                                   _i32))
-
-
-@functools.cache  # resolved once: called on the per-step path
-def _rows_kernel():
-    return build.function("kvflow_packed_rows", (ctypes.POINTER(PackedWeightStruct), _ptr, _i32, _ptr), None)
-
-
-@functools.cache  # resolved once: called on the per-step path
-def _refine_kernel():
-    return build.function("kvflow_packed_refine_top", (ctypes.POINTER(PackedWeightStruct), _ptr, _i64, _i32, _ptr,
-                                                       _i64, _ptr))
-
-
 @functools.cache
 def available() -> bool:
-    """Whether the kernel runs here: a compiler, and a CPU with AVX512-VNNI (the build says -1 otherwise)."""
-    from kvflow.layers.quant.packing import BlockQuant
-
-    fn = _kernel()
-    if fn is None:
-        return False
-    probe = pack(BlockQuant(torch.zeros(16, 32, dtype=torch.uint8), torch.ones(16, 1), torch.zeros(16, 1), 32, 4))
-    x, y = torch.zeros(1, 32), torch.empty(1, 16)
-    return fn(ctypes.byref(probe.struct), x.data_ptr(), 32, 1, y.data_ptr(), 16, 1) == 0
+    """Whether the kernel runs here: a compiler, and a build with AVX512-VNNI."""
+    native = abi.native()
+    return native is not None and native.kvflow_packed_matmul_level() > 0
 
 
 def refine_top(x: torch.Tensor, pw: PackedWeight, y: torch.Tensor, block_abs_sum: torch.Tensor) -> int:
@@ -174,8 +138,9 @@ def refine_top(x: torch.Tensor, pw: PackedWeight, y: torch.Tensor, block_abs_sum
     if not (x.dtype == y.dtype == block_abs_sum.dtype == torch.float32) or y.stride(-1) != 1 or x.stride(-1) != 1:
         raise ValueError("refine_top takes float32 rows")
     sums = block_abs_sum.contiguous()
-    return _refine_kernel()(ctypes.byref(pw.struct), x.data_ptr(), x.stride(0), x.shape[0], y.data_ptr(),
-                            y.stride(0), sums.data_ptr())
+    return abi.native().kvflow_packed_refine_top(
+        w=ctypes.byref(pw.struct), x=x.data_ptr(), x_stride=x.stride(0), m=x.shape[0], y=y.data_ptr(),
+        y_stride=y.stride(0), block_abs_sum=sums.data_ptr())
 
 
 def rows(pw: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
@@ -184,7 +149,8 @@ def rows(pw: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= pw.n):
         raise IndexError(f"row index out of range for a weight of {pw.n} rows")
     out = torch.empty(flat.numel(), pw.k)
-    _rows_kernel()(ctypes.byref(pw.struct), flat.data_ptr(), flat.numel(), out.data_ptr())
+    abi.native().kvflow_packed_rows(w=ctypes.byref(pw.struct), ids=flat.data_ptr(), count=flat.numel(),
+                                    out=out.data_ptr())
     return out.view(*ids.shape, pw.k)
 
 
@@ -195,8 +161,9 @@ def matmul(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None) -
     y = torch.empty(x.shape[0], pw.n) if out is None else out
     if x.shape[0] == 0:
         return y
-    rc = _kernel()(ctypes.byref(pw.struct), x.data_ptr(), x.stride(0), x.shape[0], y.data_ptr(), y.stride(0),
-                   torch.get_num_threads())
+    rc = abi.native().kvflow_packed_matmul(w=ctypes.byref(pw.struct), x=x.data_ptr(), x_stride=x.stride(0),
+                                           m=x.shape[0], y=y.data_ptr(), y_stride=y.stride(0),
+                                           num_threads=torch.get_num_threads())
     if rc != 0:
         raise RuntimeError("the packed matmul kernel cannot run on this CPU (it needs AVX512-VNNI)")
     return y

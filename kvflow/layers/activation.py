@@ -1,10 +1,23 @@
-"""SwiGLU: the gated MLP activation of Llama and Qwen."""
+"""Gated MLP activations, by the name a config gives (hidden_act): act(gate) * up."""
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from kvflow.errors import UnsupportedModelError
+
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up holds [gate | up] on its last dimension; returns silu(gate) * up."""
+    """gate_up holds [gate | up] on its last dimension; returns silu(gate) * up (SwiGLU: Llama, Qwen)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+GATED_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": silu_and_mul}
+
+
+def gated_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name not in GATED_ACTIVATIONS:
+        raise UnsupportedModelError(f"activation {name!r} is not supported (supported: {', '.join(GATED_ACTIVATIONS)})")
+    return GATED_ACTIVATIONS[name]

@@ -23,6 +23,7 @@ class ArchConfig:
     tie_word_embeddings: bool
     attention_bias: bool = False  # Qwen2: bias on q, k, v
     qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k
+    hidden_act: str = "silu"  # the gated MLP's activation
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -52,6 +53,7 @@ class ArchConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
+            hidden_act=str(cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,

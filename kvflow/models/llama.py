@@ -6,13 +6,12 @@ AttentionMetadata; it returns hidden states, and compute_logits() projects only 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
-from kvflow.layers.activation import silu_and_mul
+from kvflow.layers.activation import gated_activation
 from kvflow.layers.attention.backend import AttentionBackend, ReferenceBackend
 from kvflow.layers.attention.forward_context import forward_context, run_attention
 from kvflow.layers.attention.metadata import AttentionMetadata
@@ -20,9 +19,6 @@ from kvflow.layers.linear import Linear
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding, apply_rotary
 from kvflow.models.arch import ArchConfig
-
-if TYPE_CHECKING:
-    from kvflow.kernels.decoder_step import FusedDecoderStep
 
 
 class Attention(nn.Module):
@@ -64,9 +60,10 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size)
         self.down_proj = Linear(arch.intermediate_size, arch.hidden_size)
+        self.act_and_mul = gated_activation(arch.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -110,19 +107,9 @@ class LlamaForCausalLM(nn.Module):
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-        # A torch.compile'd hidden_states, set by kvflow.models.compiled when compiling pays.
-        self.compiled_hidden_states: Callable | None = None
-        # The C++ forward for few-row steps of a packed model (kvflow.kernels.decoder_step), set by the loader.
-        self.fused_step: FusedDecoderStep | None = None
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if self.fused_step is not None:
-            hidden = self.fused_step.forward(input_ids, positions, meta)
-            if hidden is not None:
-                return hidden
         with forward_context(meta, self.attention_layers):
-            run = self.compiled_hidden_states or self.hidden_states
-            return run(input_ids, positions)
+            return self.hidden_states(input_ids, positions)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states of a flat batch; attention reads the step's metadata from the forward context."""

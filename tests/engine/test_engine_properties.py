@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from kvflow import LLM, SamplingParams
 from kvflow.config import ModelConfig
 from kvflow.engine.block_pool import hash_block_tokens
-from kvflow.loader.model_loader import load_model
+from kvflow.executors.model_setup import load_model
 
 BUDGET, MAX_SEQS, BLOCK, BLOCKS = 24, 4, 4, 40
 

@@ -14,7 +14,7 @@ import pytest
 
 from kvflow.config import ModelConfig
 from kvflow.errors import ModelLoadError, UnsupportedModelError
-from kvflow.loader.model_loader import load_model
+from kvflow.executors.model_setup import load_model
 
 
 def write_gguf(path: Path, arch: str, tensor_type: str) -> Path:

@@ -8,8 +8,8 @@ from tiny_models import TINY_ARCHS
 
 from kvflow import LLM, SamplingParams
 from kvflow.config import ModelConfig
+from kvflow.executors.model_setup import load_model
 from kvflow.layers.attention.metadata import AttentionMetadata
-from kvflow.loader.model_loader import load_model
 
 REL_TOL = 1e-4
 

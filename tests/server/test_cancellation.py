@@ -7,8 +7,7 @@ import time
 
 import httpx
 import openai
-
-from server.conftest import TINY_NAME
+from tiny_models import TINY_NAME
 
 LONG = {"max_tokens": 4000, "ignore_eos": True, "temperature": 0, "stream": True}
 

@@ -9,8 +9,8 @@ import httpx
 import ollama
 import openai
 import pytest
+from tiny_models import TINY_CONTEXT, TINY_NAME
 
-from server.conftest import TINY_CONTEXT, TINY_NAME
 from server.server_process import KeyedServerProcess
 
 GOOD = {"prompt": "hello", "max_tokens": 2, "ignore_eos": True}

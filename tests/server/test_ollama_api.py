@@ -7,8 +7,7 @@ import json
 import httpx
 import ollama
 import pytest
-
-from server.conftest import TINY_CONTEXT, TINY_NAME
+from tiny_models import TINY_CONTEXT, TINY_NAME
 
 GREEDY = {"temperature": 0, "num_predict": 6}
 

@@ -8,8 +8,7 @@ import json
 import httpx
 import pytest
 from openai import AsyncOpenAI, OpenAI
-
-from server.conftest import TINY_NAME
+from tiny_models import TINY_NAME
 
 GREEDY = dict(temperature=0, max_tokens=8, extra_body={"ignore_eos": True})
 

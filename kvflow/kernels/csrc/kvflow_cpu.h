@@ -1,6 +1,10 @@
-// What kvflow's CPU kernel sources share: the packed weight format, and the entry points one source
-// calls in another. Everything here is also declared, field for field, in the Python files that load
-// the library through ctypes (kvflow/kernels/*.py).
+// The C interface of kvflow's CPU kernels: every struct and entry point the Python side calls.
+//
+// This file is the one declaration of that interface. kvflow/kernels/abi.py reads it to build the ctypes
+// structs and function signatures, so Python never restates a field or an argument list; the compiler
+// checks each definition in csrc/*.cpp against it. Keep to the subset abi.py reads: `struct Name { ... };`
+// with scalar, pointer or struct fields (several names a line are fine), `typedef R (*Name)(args);` for
+// callbacks, and one prototype per entry point, inside the extern "C" block.
 #pragma once
 
 #include <cstdint>
@@ -23,36 +27,38 @@ struct KvflowPackedWeight {
   int32_t has_offset;
 };
 
+// Row-count crossovers inside the kernels, set once by the executor from its table
+// (kvflow/executors/thresholds.py) before the first call. Zero fields keep the built-in defaults.
+struct KvflowTuning {
+  int32_t packed_amx_min_rows;       // AMX int8 tiles from this many rows (below: VNNI)
+  int32_t packed_amx_min_rows_wide;  // the same for wide, shallow matrices (n >= 16 k: an output head)
+  int32_t parallel_min_rows;         // the native decoder's per-row passes on the thread team from here
+};
+void kvflow_set_tuning(const KvflowTuning* tuning);
+
+// Which of this library's kernels the CPU can run: 0 none (the build lacks AVX512-VNNI), 1 VNNI,
+// 2 VNNI and AMX (the process was granted the tile state).
+int32_t kvflow_packed_matmul_level(void);
+
 // y[m, n] = x[m, k] @ w^T, rows independent: a row's result is bitwise the same whatever m and the thread
 // count. x is quantized per block of 32 to 16-bit integers (see packed_matmul.cpp); sums are exact integers
 // per block, then float32. Returns -1 when this build cannot run it.
-int kvflow_packed_matmul(const KvflowPackedWeight* w, const float* x, int64_t x_stride, int m, float* y,
-                         int64_t y_stride, int num_threads);
+int32_t kvflow_packed_matmul(const KvflowPackedWeight* w, const float* x, int64_t x_stride, int32_t m, float* y,
+                             int64_t y_stride, int32_t num_threads);
 
-// A Llama-family decoder whose projections are all packed (kvflow/kernels/decoder_step.py builds it).
-struct KvflowDecoderLayer {
-  KvflowPackedWeight qkv, o, gate_up, down;  // q/k/v and gate/up fused along the output dim
-  const float* input_norm;
-  const float* post_norm;
-  const float* qkv_bias;  // or null
-  const float* q_norm;    // per-head norms (Qwen3), or null
-  const float* k_norm;
-  void* k_cache;  // [slots, num_kv_heads, head_dim] in cache_dtype
-  void* v_cache;
-};
+// For each row of y = x @ w^T from kvflow_packed_matmul: every output within two error bounds of the row's
+// largest is recomputed exactly (double sums over the stored codes), so the row's argmax is the exact
+// product's. The bound (PackedLinear.error_bound) needs block_abs_sum[b], the largest sum of |w| over
+// block b of an output row. Returns how many outputs were recomputed.
+int32_t kvflow_packed_refine_top(const KvflowPackedWeight* w, const float* x, int64_t x_stride, int32_t m, float* y,
+                                 int64_t y_stride, const float* block_abs_sum);
 
-struct KvflowDecoder {
-  int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
-  float eps, attn_scale;
-  const float* cos;  // [max_positions, head_dim]
-  const float* sin;
-  int64_t max_positions;
-  const float* final_norm;
-  int32_t cache_dtype, block_size;  // cache_dtype as kvflow_paged_attention takes it
-  const KvflowDecoderLayer* layers;
-};
+// Rows ids[0..count) of w (output features), dequantized exactly as float32 into out [count, k].
+void kvflow_packed_rows(const KvflowPackedWeight* w, const int64_t* ids, int32_t count, float* out);
 
-// The step's attention metadata (see kvflow_paged_attention).
+// A step's place in the paged KV cache, the same for every layer. Sequence b owns query rows
+// query_start[b] .. query_start[b + 1]; they are its last rows of seq_lens[b] positions, whose blocks are
+// block_tables[b * table_stride ..]. Row t's new K/V go to cache slot slots[t].
 struct KvflowStep {
   const int64_t* slots;
   const int32_t* query_start;
@@ -60,28 +66,94 @@ struct KvflowStep {
   const int32_t* block_tables;
   int64_t table_stride;
   int32_t num_seqs;
+  int32_t num_tokens;
 };
 
-// hidden [rows, hidden] holds the rows' embeddings and receives the final norm's output. Each row attends
-// to its own sequence up to its position; the step's K/V are stored in the caches. Returns 0, -1 for a
-// weight or shape the kernels refuse, -2 for a position past the rotary table.
-int kvflow_decoder_step(const KvflowDecoder* m, float* hidden, const int64_t* positions, int rows,
-                        const KvflowStep* step, int num_threads);
+// One layer's paged cache ([slots, num_kv_heads, head_dim] in cache_dtype: 0 float32, 1 bfloat16, 2
+// float16) and its heads.
+struct KvflowAttention {
+  void* k_cache;
+  void* v_cache;
+  int32_t cache_dtype, block_size;
+  int32_t num_heads, num_kv_heads, head_dim;
+  float scale;
+};
 
-// For each row of y = x @ w^T from kvflow_packed_matmul: every output within two error bounds of the row's
-// largest is recomputed exactly (double sums over the stored codes), so the row's argmax is the exact
-// product's. The bound (PackedLinear.error_bound) needs block_abs_sum[b], the largest sum of |w| over
-// block b of an output row. Returns how many outputs were recomputed.
-int kvflow_packed_refine_top(const KvflowPackedWeight* w, const float* x, int64_t x_stride, int m, float* y,
-                             int64_t y_stride, const float* block_abs_sum);
+// A step's query, key and value rows (float32, heads side by side; rows may be strided).
+struct KvflowRows {
+  const float* q;
+  int64_t q_stride;
+  const float* k;
+  int64_t k_stride;
+  const float* v;
+  int64_t v_stride;
+};
 
-// Rows ids[0..count) of w (output features), dequantized exactly as float32 into out [count, k].
-void kvflow_packed_rows(const KvflowPackedWeight* w, const int64_t* ids, int count, float* out);
+// Stores every row's K/V in its slot, then attends: the rows of one-token queries, or with all_rows every
+// query row (row r of a sequence whose step brings n rows sits at position seq_len - n + r and sees the
+// context up to itself). out: float32 rows of num_heads * head_dim. A row's result depends on its own
+// inputs only. Returns 0, or -1 for head counts that do not group.
+int32_t kvflow_paged_attention(const KvflowAttention* layer, const KvflowStep* step, const KvflowRows* rows,
+                               float* out, int64_t out_stride, int32_t all_rows, int32_t num_threads);
 
-int kvflow_paged_attention(const float* q, int64_t q_stride, const float* k_new, int64_t k_stride,
-                           const float* v_new, int64_t v_stride, void* k_cache, void* v_cache, int cache_dtype,
-                           const int64_t* slots, int num_tokens, const int32_t* query_start,
-                           const int32_t* seq_lens, const int32_t* tables, int64_t table_stride, int num_seqs,
-                           float* out, int64_t out_stride, int num_heads, int num_kv_heads, int head_dim,
-                           int block_size, float scale, int all_rows, int num_threads);
+// Causal attention of every prompt chunk of two or more rows over its cached context (the chunk's own K/V
+// already stored), bfloat16 products on AMX tiles and a float32 softmax; out: bfloat16 rows. One-token
+// rows are left alone. Returns -1 where this build or CPU has no AMX, or for head sizes it does not take.
+int32_t kvflow_prefill_attention_bf16(const KvflowAttention* layer, const KvflowStep* step, const float* q,
+                                      int64_t q_stride, uint16_t* out, int64_t out_stride, int32_t num_threads);
+
+// ---- the native decoder: one call runs a whole step of a Llama-family model -------------------------
+
+// One layer, as its model file describes it (kvflow/models/llama.py): norm, q/k/v (optional bias and
+// per-head norms), rotary, attention, o, norm, gate/up, SiLU, down. The projections are packed.
+struct KvflowDecoderLayer {
+  KvflowPackedWeight qkv, o, gate_up, down;  // q/k/v and gate/up fused along the output dim
+  const float* input_norm;
+  const float* post_norm;
+  const float* qkv_bias;  // or null
+  const float* q_norm;    // per-head norms (Qwen3), or null
+  const float* k_norm;
+  KvflowAttention attention;
+};
+
+// A many-row step's matmuls on dense bfloat16 copies of the weights, through the caller (oneDNN, where
+// bfloat16 is native): matmul(context, layer, projection, rows) sets output[projection] = input[projection]
+// @ W^T for projection 0 q/k/v, 1 o, 2 gate/up, 3 down, and returns 0. The six buffers hold `rows` rows.
+typedef int32_t (*KvflowDenseMatmul)(void* context, int32_t layer, int32_t projection, int32_t rows);
+struct KvflowDense {
+  KvflowDenseMatmul matmul;
+  void* context;
+  uint16_t* normed;   // [rows, hidden]: input of q/k/v and gate/up
+  uint16_t* attn;     // [rows, num_heads * head_dim]: input of o
+  uint16_t* act;      // [rows, intermediate]: input of down
+  uint16_t* qkv;      // outputs
+  uint16_t* gate_up;
+  uint16_t* proj;     // [rows, hidden]: o and down
+  int32_t prompt_attention_bf16;  // prompt chunks' attention on AMX tiles (kvflow_prefill_attention_bf16)
+};
+
+struct KvflowDecoder {
+  int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
+  int64_t vocab_size;
+  float eps;
+  const float* cos;  // [max_positions, head_dim]
+  const float* sin;
+  int64_t max_positions;
+  const float* final_norm;
+  KvflowPackedWeight embedding;  // token rows, packed; or data null and embedding_f32 set
+  const float* embedding_f32;    // [vocab, hidden]
+  KvflowPackedWeight head;       // the output projection, packed; or data null (the caller projects)
+  const float* head_abs_sum;     // the head's block_abs_sum (kvflow_packed_refine_top), or null
+  const KvflowDecoderLayer* layers;
+};
+
+// One step: token ids -> final-norm hidden states [rows, hidden] (hidden) and, when the head is packed,
+// the logits of rows logit_rows[0 .. num_logits) into logits [num_logits, vocab], their best entries
+// recomputed exactly. dense: null, or the many-row matmuls' buffers. Returns 0; -1 for a weight or shape
+// a kernel refused; -2 for a position past the rotary table and -4 for a token id outside the vocabulary
+// (both before anything is written); -3 when dense->matmul failed.
+int32_t kvflow_decoder_forward(const KvflowDecoder* model, const KvflowStep* step, const int64_t* ids,
+                               const int64_t* positions, int32_t rows, const KvflowDense* dense,
+                               const int64_t* logit_rows, int32_t num_logits, float* logits, float* hidden,
+                               int32_t num_threads);
 }

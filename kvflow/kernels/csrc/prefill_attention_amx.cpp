@@ -16,6 +16,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kvflow_cpu.h"
 #include "row_ops.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -271,15 +272,17 @@ void pack(const Cache& c, const std::vector<Sequence>& seqs, const std::vector<i
 // (the chunk's own K/V already stored), into out (bfloat16 rows, head h at h * d). Rows of one-token
 // queries are left alone. Returns 0, or -1 where this build or CPU has no AMX, or for head sizes that
 // are not a multiple of 64 (up to 128).
-extern "C" int kvflow_prefill_attention_bf16(const float* q, int64_t q_stride, const void* k_cache, const void* v_cache,
-                                             int cache_dtype, const int32_t* query_start, const int32_t* seq_lens,
-                                             const int32_t* tables, int64_t table_stride, int num_seqs, int hq, int hkv,
-                                             int d, int block_size, float scale, uint16_t* out, int64_t out_stride,
-                                             int num_threads) {
+extern "C" int32_t kvflow_prefill_attention_bf16(const KvflowAttention* layer, const KvflowStep* step, const float* q,
+                                                 int64_t q_stride, uint16_t* out, int64_t out_stride, int32_t num_threads) {
 #ifdef KVFLOW_HAVE_AMX_BF16
+  const int hq = layer->num_heads, hkv = layer->num_kv_heads, d = layer->head_dim, cache_dtype = layer->cache_dtype;
+  const float scale = layer->scale;
+  const int32_t *query_start = step->query_start, *seq_lens = step->seq_lens, *tables = step->block_tables;
+  const int64_t table_stride = step->table_stride;
+  const int num_seqs = step->num_seqs;
   if (d % 64 != 0 || d > 128 || hkv < 1 || hq % hkv != 0 || cache_dtype < 0 || cache_dtype > 2 || !kvflow::amx_permitted())
     return -1;
-  const Cache cache{k_cache, v_cache, cache_dtype, block_size, hkv, d};
+  const Cache cache{layer->k_cache, layer->v_cache, cache_dtype, layer->block_size, hkv, d};
   std::vector<Sequence> seqs;
   int64_t words = 0;  // packed words per KV head, all sequences
   for (int b = 0; b < num_seqs; ++b) {
@@ -322,9 +325,7 @@ extern "C" int kvflow_prefill_attention_bf16(const float* q, int64_t q_stride, c
   }
   return 0;
 #else
-  (void)q, (void)q_stride, (void)k_cache, (void)v_cache, (void)cache_dtype, (void)query_start, (void)seq_lens,
-      (void)tables, (void)table_stride, (void)num_seqs, (void)hq, (void)hkv, (void)d, (void)block_size, (void)scale,
-      (void)out, (void)out_stride, (void)num_threads;
+  (void)layer, (void)step, (void)q, (void)q_stride, (void)out, (void)out_stride, (void)num_threads;
   return -1;
 #endif
 }

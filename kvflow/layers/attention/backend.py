@@ -1,12 +1,15 @@
 """Attention backends: how one layer's attention runs over a flat batch, with or without the paged cache.
 
-A backend gets this step's q/k/v ([T, heads, head_dim]) and, when a KV cache is bound, stores k/v
-into their slots and attends over everything cached. Backends differ per device; models do not.
+A backend builds its own view of a step's metadata once per step (`build_metadata`, from the shared
+AttentionMetadata: the kernel arguments it needs, in the form it needs them), then, for each layer, gets
+the step's q/k/v ([T, heads, head_dim]) and, when a KV cache is bound, stores k/v into their slots and
+attends over everything cached. Backends differ per device and mode; models do not. The executor picks
+the backend (kvflow/executors).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -17,6 +20,10 @@ from kvflow.layers.attention.metadata import AttentionMetadata
 class AttentionBackend(Protocol):
     name: str
 
+    def build_metadata(self, meta: AttentionMetadata) -> Any:
+        """This backend's metadata for the step (built once per step, read by every layer)."""
+        ...
+
     def forward(
         self,
         q: torch.Tensor,
@@ -24,7 +31,7 @@ class AttentionBackend(Protocol):
         v: torch.Tensor,
         k_cache: torch.Tensor | None,
         v_cache: torch.Tensor | None,
-        meta: AttentionMetadata,
+        meta: Any,
         scale: float,
     ) -> torch.Tensor: ...
 
@@ -33,6 +40,9 @@ class ReferenceBackend:
     """Plain PyTorch, any device: obviously right, slow."""
 
     name = "reference"
+
+    def build_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
+        return meta
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):  # noqa: D102 - see AttentionBackend
         starts = meta.query_start_loc.tolist()

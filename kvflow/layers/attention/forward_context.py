@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,14 @@ from kvflow.layers.attention.metadata import AttentionMetadata
 class ForwardContext:
     meta: AttentionMetadata
     layers: Sequence  # the model's attention layers, indexed by Attention.layer_id
+    built: dict = field(default_factory=dict)  # backend -> its metadata for this step, built on first use
+
+    def metadata_for(self, backend) -> object:
+        """The backend's own metadata for this step: built by the first layer that asks, shared by the rest."""
+        built = self.built.get(backend)
+        if built is None:
+            built = self.built[backend] = backend.build_metadata(self.meta)
+        return built
 
 
 _current: ForwardContext | None = None
@@ -45,7 +53,8 @@ def current() -> ForwardContext:
 
 def run_attention(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Store k/v in the layer's cache and attend; the eager path and the custom op's body."""
-    return layer.backend.forward(q, k, v, layer.k_cache, layer.v_cache, current().meta, layer.scale)
+    meta = current().metadata_for(layer.backend)
+    return layer.backend.forward(q, k, v, layer.k_cache, layer.v_cache, meta, layer.scale)
 
 
 @torch.library.custom_op("kvflow::attention", mutates_args=())

@@ -6,10 +6,12 @@ that sequence's blocks once. Decode steps of many sequences run as one padded, m
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from kvflow.kernels import cpu_attention
+from kvflow.kernels import abi, paged_attention
 from kvflow.layers.attention import reference
 from kvflow.layers.attention.metadata import AttentionMetadata
 
@@ -65,6 +67,14 @@ def _padding_is_cheap(meta: AttentionMetadata) -> bool:
 PADDED_DECODE_MAX_LEN = 256
 
 
+@dataclass
+class SDPAMetadata:
+    """The SDPA backend's view of a step: the shared metadata, plus the C++ kernel's step arguments."""
+
+    common: AttentionMetadata
+    kernel_step: abi.KvflowStep | None  # None where the kernel cannot take the step (no cache, index dtypes)
+
+
 class SDPABackend:
     """exact=True (the batch-invariant mode): every query row, prefill rows too, goes through the C++
     kernel, which computes a row from its own query and the cached K/V alone, in fixed chunks; a
@@ -76,15 +86,24 @@ class SDPABackend:
     def __init__(self, exact: bool = False) -> None:
         self.exact = exact
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def build_metadata(self, meta: AttentionMetadata) -> SDPAMetadata:
+        step = None
+        if meta.slot_mapping is not None and meta.block_tables is not None and paged_attention.available():
+            step = paged_attention.step_struct(meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
+                                               meta.block_tables)
+        return SDPAMetadata(meta, step)
+
+    def forward(self, q, k, v, k_cache, v_cache, built: SDPAMetadata, scale: float) -> torch.Tensor:
+        meta = built.common
         if meta.slot_mapping is None:  # a one-shot forward (scoring, parity checks): leave the cache alone
             k_cache = v_cache = None
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # dense rows, whatever q's strides
         decode_rows_done = False
-        if k_cache is not None and cpu_attention.supports(q, k, v, k_cache, meta):
+        if k_cache is not None and built.kernel_step is not None and paged_attention.supports(q, k, v, k_cache):
             # C++ kernel: stores every new k/v and attends for every one-token query, whatever else the
             # step holds, so a decode token's rounding never depends on its batch.
-            cpu_attention.store_and_attend(q, k, v, k_cache, v_cache, meta, scale, out, all_rows=self.exact)
+            layer = paged_attention.layer_struct(k_cache, v_cache, q.shape[1], scale)
+            paged_attention.store_and_attend(layer, built.kernel_step, q, k, v, out, all_rows=self.exact)
             if meta.is_decode_only or self.exact:
                 return out
             decode_rows_done = True

@@ -32,6 +32,9 @@ class TritonBackend:
         self._num_sms = num_sms
         self._no_cache = SDPABackend()  # one-shot scoring without a KV cache: nothing paged to read
 
+    def build_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
+        return meta  # the kernels read the shared tensors as they are
+
     def forward(
         self,
         q: torch.Tensor,
@@ -43,7 +46,7 @@ class TritonBackend:
         scale: float,
     ) -> torch.Tensor:
         if k_cache is None or meta.slot_mapping is None:  # no cache bound, or a one-shot forward
-            return self._no_cache.forward(q, k, v, None, None, meta, scale)
+            return self._no_cache.forward(q, k, v, None, None, self._no_cache.build_metadata(meta), scale)
         kernels = self._kernels
         kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)

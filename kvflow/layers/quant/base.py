@@ -1,19 +1,21 @@
-"""The forward shared by the packed linear layers: a packed-integer kernel for few rows, AMX for many.
+"""The forward shared by the packed linear layers: a packed-integer kernel, and a dense path for many rows.
 
 Few rows (decode): the packed kernel streams 0.5 to 1 byte per weight, where float32 reads 4; its cost
-grows with the row count. Many rows (prefill): weights are dequantized to bfloat16 one tile of output
-rows at a time and multiplied through oneDNN (AMX), so no full-size float copy of the weights is kept;
-a tile is at most `tile_bytes` of bfloat16. Eager dequantization costs about as much as a 512-row
-matmul, so `cache_dense_bf16()` trades 2 bytes a weight for the fastest prefill. Both paths round activations to bfloat16 and accumulate in
-float32; the result comes back in the input's dtype.
+grows with the row count. Many rows (prefill), past `max_kernel_rows` (which the executor sets where
+bfloat16 matmuls are native): weights are dequantized to bfloat16 one tile of output rows at a time and
+multiplied through oneDNN, so no full-size float copy of the weights is kept; a tile is at most
+`tile_bytes` of bfloat16. Eager dequantization costs about as much as a 512-row matmul, so
+`cache_dense_bf16()` trades 2 bytes a weight for the fastest prefill. Both paths round activations to
+bfloat16 and accumulate in float32; the result comes back in the input's dtype.
 """
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
-DEFAULT_MAX_KERNEL_ROWS = 32  # int kernel vs eager dequant+AMX crossover, 32-64 rows: bench_quant_linear.py
 DEFAULT_TILE_BYTES = 4 << 20  # a bfloat16 weight tile that stays in L2/LLC while it is used
 
 
@@ -25,7 +27,9 @@ class QuantLinear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
-        self.max_kernel_rows = DEFAULT_MAX_KERNEL_ROWS
+        # The kernel for every row count unless the executor sets a crossover: a row's result then never
+        # depends on how many rows its call had.
+        self.max_kernel_rows = sys.maxsize
         self.tile_bytes = DEFAULT_TILE_BYTES
         self.dense_bf16: torch.Tensor | None = None
 

@@ -4,7 +4,7 @@ Where it runs (a C++ compiler and AVX512-VNNI), it replaces Int4Linear and Int8B
 and float16 scales are stored as the GGUF has them, so the weights it multiplies by are the file's own
 (no bfloat16 copy of the scales), and its float32 output is not rounded to bfloat16. The only rounding
 is the input's quantization to 16-bit integers per block of 32 inputs (2^-16 of the block's largest).
-It is also what the fused decoder step (kernels/decoder_step) reads.
+Its packed bytes are also what the native decoder (kvflow/executors/native_model.py) reads.
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ class PackedLinear(QuantLinear):
     def __init__(self, bq: BlockQuant, bias: torch.Tensor | None = None) -> None:
         n, k = bq.shape
         super().__init__(k, n, bias)
-        self.packed = packed_matmul.pack(bq)
+        self.packed = packed_matmul.pack(bq.q, bq.scale, bq.offset, bq.group_size, bq.bits)
         self._block_abs_sum: torch.Tensor | None = None  # for error_bound, computed on first use
 
     @staticmethod
     def can_build(bq: BlockQuant) -> bool:
-        return packed_matmul.available() and packed_matmul.can_pack(bq)
+        return packed_matmul.available() and packed_matmul.can_pack(bq.q, bq.scale, bq.offset, bq.group_size, bq.bits)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

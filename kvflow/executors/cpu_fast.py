@@ -1,0 +1,94 @@
+"""The fast CPU executor: every step the native decoder can take runs as one C++ call (token ids in,
+logits out); the rest goes through the PyTorch layers (executors/layers.py).
+
+Per step it decides how the native decoder multiplies, from the thresholds table: on the packed-integer
+kernel, or, for steps of many rows where the plan made bfloat16 copies, on those copies through oneDNN
+(the C++ forward calls back for each matmul, the only Python it runs in the step).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kvflow.executors.layers import LayersExecutor
+from kvflow.executors.native_model import NativeModel
+from kvflow.executors.thresholds import ROW_THRESHOLDS
+from kvflow.kernels import abi
+
+
+class CpuFastExecutor(LayersExecutor):
+    def __init__(self, loaded, kv_caches, attention_backend: str = "auto") -> None:
+        super().__init__(loaded, kv_caches, attention_backend)
+        self.native: NativeModel | None = loaded.native
+        self.forward_native = abi.native().kvflow_decoder_forward if self.native is not None else None
+        self.dense_min_rows = ROW_THRESHOLDS.native_dense_min_rows
+        # Prompt chunks' attention on AMX tiles (csrc/prefill_attention_amx.cpp takes head sizes 64 and 128).
+        head_dim = loaded.arch.head_dim
+        self.prompt_tiles = (loaded.plan.cpu_tier == "amx" and head_dim in (64, 128)
+                             and abi.native() is not None and abi.native().kvflow_packed_matmul_level() == 2)
+        self._matmul = abi.KvflowDenseMatmul(self._dense_matmul)  # kept alive: C holds its address
+        self._dense_io: list | None = None  # this step's (inputs, outputs) per projection, for the callback
+        self._callback_error: BaseException | None = None
+
+    def execute(self, inputs) -> torch.Tensor:
+        native, meta = self.native, inputs.meta
+        rows = inputs.input_ids.shape[0]
+        if native is None or rows == 0 or meta.slot_mapping is None:
+            return super().execute(inputs)
+        if native.bound is not self.kv_caches:
+            native.bind(self.kv_caches)
+        step = abi.KvflowStep(slots=meta.slot_mapping.data_ptr(), query_start=meta.query_start_loc.data_ptr(),
+                              seq_lens=meta.seq_lens.data_ptr(), block_tables=meta.block_tables.data_ptr(),
+                              table_stride=meta.block_tables.stride(0), num_seqs=len(meta.seq_lens_cpu),
+                              num_tokens=rows)
+        dense = self._dense_buffers(rows) if rows >= self.dense_min_rows and native.dense_t is not None else None
+        hidden = torch.empty(rows, self.model.arch.hidden_size)
+        picked = inputs.logits_indices
+        logits = torch.empty(picked.shape[0], self.vocab_size) if native.head_packed else hidden
+        rc = self.forward_native(
+            model=native.byref(), step=ctypes.byref(step), ids=inputs.input_ids.data_ptr(),
+            positions=inputs.positions.data_ptr(), rows=rows, dense=None if dense is None else ctypes.byref(dense),
+            logit_rows=picked.data_ptr(), num_logits=picked.shape[0] if native.head_packed else 0,
+            logits=logits.data_ptr(), hidden=hidden.data_ptr(), num_threads=torch.get_num_threads())
+        self._dense_io = None
+        if rc != 0:
+            raise self._failure(rc, native)
+        if native.head_packed:
+            return logits
+        return self.model.compute_logits(hidden[picked]).float()
+
+    def _dense_buffers(self, rows: int) -> abi.KvflowDense:
+        """This step's bfloat16 activations for the dense matmuls, and the struct that hands them to C++."""
+        arch = self.model.arch
+        q_size = arch.num_heads * arch.head_dim
+        qkv_size = q_size + 2 * arch.num_kv_heads * arch.head_dim
+        sizes = {"normed": arch.hidden_size, "attn": q_size, "act": arch.intermediate_size, "qkv": qkv_size,
+                 "gate_up": 2 * arch.intermediate_size, "proj": arch.hidden_size}
+        buf = {name: torch.empty(rows, width, dtype=torch.bfloat16) for name, width in sizes.items()}
+        # (input, output) of projections 0 q/k/v, 1 o, 2 gate/up, 3 down
+        self._dense_io = [(buf["normed"], buf["qkv"]), (buf["attn"], buf["proj"]), (buf["normed"], buf["gate_up"]),
+                          (buf["act"], buf["proj"])]
+        return abi.KvflowDense(matmul=self._matmul, context=None, prompt_attention_bf16=int(self.prompt_tiles),
+                               **{name: t.data_ptr() for name, t in buf.items()})
+
+    def _dense_matmul(self, context, layer: int, projection: int, rows: int) -> int:
+        """Called from C++ for each many-row matmul: out = in @ W^T on the bfloat16 copy (oneDNN)."""
+        try:
+            x, y = self._dense_io[projection]
+            torch.mm(x, self.native.dense_t[layer][projection], out=y)
+            return 0
+        except BaseException as exc:  # noqa: BLE001 - C cannot carry it: kept, re-raised after the call
+            self._callback_error = exc
+            return -1
+
+    def _failure(self, rc: int, native: NativeModel) -> Exception:
+        if rc == -2:
+            return ValueError(f"a position is past the model's context ({native.struct.max_positions} positions)")
+        if rc == -4:
+            return ValueError(f"a token id is outside the vocabulary of {native.struct.vocab_size}")
+        if rc == -3 and self._callback_error is not None:
+            error, self._callback_error = self._callback_error, None
+            return RuntimeError(f"the native decoder's dense matmul failed: {error}")
+        return RuntimeError(f"the native decoder refused the step ({rc})")

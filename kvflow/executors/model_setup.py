@@ -1,0 +1,155 @@
+"""From a ModelConfig to a model ready to run, and from a loaded model to the executor of one engine.
+
+    load_model:     plan (executors/plan.py) -> read weights as planned (loader/) -> prepare_model
+    prepare_model:  once per loaded model, what the plan's executor needs: huge pages for packed weights,
+                    bfloat16 copies, the native decoder's structs, a compiled forward
+    build_executor: per engine (each owns a KV cache): the executor the plan names
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvflow.config import ModelConfig
+from kvflow.executors import compile as compiling
+from kvflow.executors.native_model import NativeModel
+from kvflow.executors.plan import ExecutionPlan, plan_execution
+from kvflow.executors.thresholds import ROW_THRESHOLDS
+from kvflow.kernels import abi, packed_matmul
+from kvflow.layers.linear import Linear
+from kvflow.layers.quant.base import QuantLinear
+from kvflow.layers.quant.packed_linear import PackedLinear
+from kvflow.loader.model_loader import load_weights, open_model_files, read_arch, return_freed_memory
+from kvflow.loader.resolve import ResolvedModel, resolve_model
+from kvflow.models.arch import ArchConfig
+from kvflow.models.registry import model_class_for
+
+log = logging.getLogger("kvflow")
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: Any
+    arch: ArchConfig
+    resolved: ResolvedModel
+    plan: ExecutionPlan
+    max_model_len: int
+    native: NativeModel | None = None  # the native decoder's structs, where the fast CPU mode runs it
+    compiled: Callable | None = None  # a torch.compile'd hidden_states, where the plan compiles
+
+    @property
+    def device(self) -> torch.device:
+        return self.plan.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.plan.dtype
+
+    @property
+    def quantization(self) -> str | None:
+        return self.plan.quantization
+
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        return self.plan.kv_cache_dtype
+
+    @property
+    def batch_invariant(self) -> bool:
+        return self.plan.batch_invariant
+
+
+def load_model(config: ModelConfig) -> LoadedModel:
+    resolved = resolve_model(config.model)
+    files = open_model_files(resolved)
+    arch = read_arch(files)
+    model_class_for(arch)  # refuses what this architecture's class cannot run, before the heavy reads
+    tokenizer = files.tokenizer()
+    plan = plan_execution(config, resolved.kind, arch.torch_dtype)
+    max_len = config.max_model_len or arch.max_position_embeddings
+    model = load_weights(files, arch, plan.dtype, plan.quantization, plan.device, max_len)
+    log.info("loaded %s (%s) on %s in %s, %s mode", resolved.name, arch.architecture, plan.device,
+             str(plan.dtype).split(".")[-1], plan.mode)
+    loaded = LoadedModel(model, tokenizer, arch, resolved, plan, max_len)
+    prepare_model(loaded)
+    return loaded
+
+
+def prepare_model(loaded: LoadedModel) -> None:
+    """Make the loaded model ready for its plan's executor (once, however many engines share it)."""
+    plan, model = loaded.plan, loaded.model
+    if plan.fast_cpu:
+        native = abi.native()
+        if native is not None:
+            native.kvflow_set_tuning(tuning=ROW_THRESHOLDS.kernel_tuning())
+        packed = [m.packed for m in model.modules() if isinstance(m, PackedLinear)]
+        packed_matmul.move_to_huge_pages(packed)
+        if plan.bf16_copies:
+            added = make_bf16_copies(model, ROW_THRESHOLDS.layers_dense_min_rows)
+            log.info("bfloat16 copies of the weights for many-row matmuls (+%.0f MiB)", added / 2**20)
+        loaded.native = NativeModel.for_model(model)
+        if loaded.native is not None:
+            log.info("steps run natively (one C++ call a step); many-row steps on bfloat16 copies: %s",
+                     loaded.native.dense_t is not None)
+    if plan.compile != "off" and compiling.should_compile(plan.compile, loaded.native is not None):
+        loaded.compiled = compiling.compile_hidden_states(model)
+        compiling.warm_up(model, loaded.compiled, plan.device)
+    return_freed_memory()
+
+
+def make_bf16_copies(model: torch.nn.Module, min_rows: int) -> int:
+    """Give every float32 Linear and packed layer (the packed output head aside: it only sees sampled rows) a
+    bfloat16 copy for matmuls of at least min_rows rows. Returns the bytes added. A token's result then
+    depends on how many rows its step had, which is why only the fast mode does it."""
+    added = 0
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and module.weight.dtype == torch.float32:
+            module.weight_bf16 = module.weight.detach().to(torch.bfloat16)
+            module.bf16_min_rows = min_rows
+            added += module.weight_bf16.numel() * 2
+        elif isinstance(module, QuantLinear) and not name.startswith(("lm_head", "embed_tokens")):
+            module.cache_dense_bf16()
+            module.max_kernel_rows = min_rows - 1
+            added += module.dense_bf16.numel() * 2
+    return added
+
+
+def build_executor(loaded: LoadedModel, kv_caches: list, attention_backend: str = "auto", max_num_seqs: int = 64,
+                   max_blocks_per_seq: int = 1, cuda_graphs: bool = True):
+    """The executor the plan names, over this engine's KV cache."""
+    from kvflow.executors.cpu_fast import CpuFastExecutor
+    from kvflow.executors.cuda import CudaExecutor
+    from kvflow.executors.layers import LayersExecutor
+
+    kind = loaded.plan.executor
+    if kind == "cuda":
+        return CudaExecutor(loaded, kv_caches, attention_backend, max_num_seqs, max_blocks_per_seq, cuda_graphs)
+    if kind == "cpu_fast" and attention_backend == "auto":
+        return CpuFastExecutor(loaded, kv_caches, attention_backend)
+    return LayersExecutor(loaded, kv_caches, attention_backend)
+
+
+def set_threads(threads: int | None) -> None:
+    torch.set_num_threads(max(1, threads if threads is not None else physical_cores()))
+
+
+def physical_cores() -> int:
+    try:
+        cores = set()
+        with open("/proc/cpuinfo") as f:
+            phys = core = None
+            for line in f:
+                if line.startswith("physical id"):
+                    phys = line.split(":")[1].strip()
+                elif line.startswith("core id"):
+                    core = line.split(":")[1].strip()
+                    cores.add((phys, core))
+        return max(1, min(len(cores) or os.cpu_count() or 1, len(os.sched_getaffinity(0))))
+    except OSError:
+        return os.cpu_count() or 1

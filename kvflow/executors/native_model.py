@@ -1,0 +1,121 @@
+"""The native decoder's view of a loaded model: the KvflowDecoder struct (csrc/kvflow_cpu.h) built from the
+model's own layers, which the C++ forward (csrc/decoder_forward.cpp) runs in one call a step.
+
+The struct is the architecture as the model file describes it (models/llama.py: which norms, whether
+q/k/v carry a bias, whether heads are normed), pointing at the model's packed weights; nothing here
+restates the forward. `reason_unsupported` says why a model cannot run natively (the PyTorch layers run
+it then); a new architecture feature is either described by a struct field the C++ forward reads, or
+listed there until it is.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import nn
+
+from kvflow.kernels import abi, packed_matmul, paged_attention
+from kvflow.layers.quant.packed_linear import PackedLinear
+from kvflow.layers.quant.vocab import ExactTopLogits, PackedEmbedding
+
+PROJECTIONS = ("qkv", "o", "gate_up", "down")  # the order of KvflowDense's projection numbers
+
+
+def _projections(layer: nn.Module) -> tuple[nn.Module, ...]:
+    a, mlp = layer.self_attn, layer.mlp
+    return a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+
+def _f32(t: torch.Tensor | None) -> int | None:
+    if t is None:
+        return None
+    if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError("the native decoder reads float32 contiguous CPU tensors")
+    return t.data_ptr()
+
+
+def reason_unsupported(model: nn.Module) -> str | None:
+    """Why the native decoder cannot run this model, or None when it can."""
+    if abi.native() is None:
+        return "no C++ compiler for the CPU kernels"
+    if not packed_matmul.available():
+        return "this CPU or build has no packed-matmul kernel (it needs AVX512-VNNI)"
+    if not hasattr(model, "layers") or not hasattr(model, "rotary"):
+        return "not a Llama-family decoder"
+    if model.arch.hidden_act != "silu":
+        return f"activation {model.arch.hidden_act!r} (the native decoder runs SiLU)"
+    if model.rotary.cos.dtype != torch.float32 or model.rotary.cos.device.type != "cpu":
+        return "the model is not float32 on CPU"
+    if not isinstance(model.embed_tokens, PackedEmbedding | nn.Embedding):
+        return "the token embedding is neither packed nor a float table"
+    if isinstance(model.embed_tokens, PackedEmbedding) and not isinstance(model.embed_tokens.source, PackedLinear):
+        return "the token embedding is packed for another kernel"
+    for layer in model.layers:
+        projections = _projections(layer)
+        if not all(isinstance(p, PackedLinear) for p in projections):
+            return "some projections are not packed (PackedLinear)"
+        if any(p.bias is not None for p in projections[1:]):
+            return "a projection other than q/k/v has a bias"
+        a = layer.self_attn
+        norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        norms += [n.weight for n in (a.q_norm, a.k_norm) if n is not None]
+        if any(t.dtype != torch.float32 for t in norms):
+            return "norm weights are not float32"
+    return None
+
+
+class NativeModel:
+    """The struct for one loaded model, re-pointed at whichever KV cache is bound (engines sharing a model
+    take turns, each binding its own before its step)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        arch, rotary = model.arch, model.rotary
+        self.layers = (abi.KvflowDecoderLayer * arch.num_layers)()
+        for i, layer in enumerate(model.layers):
+            a = layer.self_attn
+            qkv, o, gate_up, down = (p.packed.struct for p in _projections(layer))
+            self.layers[i] = abi.KvflowDecoderLayer(
+                qkv=qkv, o=o, gate_up=gate_up, down=down, input_norm=_f32(layer.input_layernorm.weight),
+                post_norm=_f32(layer.post_attention_layernorm.weight), qkv_bias=_f32(a.qkv_proj.bias),
+                q_norm=_f32(a.q_norm.weight if a.q_norm is not None else None),
+                k_norm=_f32(a.k_norm.weight if a.k_norm is not None else None),
+                attention=abi.KvflowAttention(num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
+                                              head_dim=a.head_dim, scale=a.scale),
+            )
+        embed = model.embed_tokens
+        head = model.lm_head
+        self.head_packed = isinstance(head, ExactTopLogits) and isinstance(head.packed, PackedLinear)
+        if self.head_packed:
+            head.packed.prepare_error_bound()
+        self.struct = abi.KvflowDecoder(
+            num_layers=arch.num_layers, hidden=arch.hidden_size, num_heads=arch.num_heads,
+            num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim, intermediate=arch.intermediate_size,
+            vocab_size=arch.vocab_size, eps=arch.rms_norm_eps, cos=_f32(rotary.cos), sin=_f32(rotary.sin),
+            max_positions=rotary.cos.shape[0], final_norm=_f32(model.norm.weight),
+            embedding=embed.source.packed.struct if isinstance(embed, PackedEmbedding) else abi.KvflowPackedWeight(),
+            embedding_f32=None if isinstance(embed, PackedEmbedding) else _f32(embed.weight),
+            head=head.packed.packed.struct if self.head_packed else abi.KvflowPackedWeight(),
+            head_abs_sum=_f32(head.packed._block_abs_sum) if self.head_packed else None,
+            layers=self.layers,
+        )
+        # bfloat16 copies for many-row steps ([layer][projection] as W^T views), where the plan made them.
+        dense = [[p.dense_bf16 for p in _projections(layer)] for layer in model.layers]
+        self.dense_t = None if any(w is None for ws in dense for w in ws) else [[w.t() for w in ws] for ws in dense]
+        self.bound: list | None = None  # the kv_caches list the structs point at
+        self._held: list = []  # that list's tensors, so no freed cache's address comes back as another's
+
+    @classmethod
+    def for_model(cls, model: nn.Module) -> NativeModel | None:
+        return None if reason_unsupported(model) else cls(model)
+
+    def bind(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Point every layer's attention at these [blocks, block_size, kv_heads, head_dim] caches."""
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            cache = paged_attention.layer_struct(k_cache, v_cache, layer.attention.num_heads, layer.attention.scale)
+            layer.attention = cache
+        self.bound, self._held = kv_caches, [t for pair in kv_caches for t in pair]
+
+    def byref(self) -> ctypes._CArgObject:
+        return ctypes.byref(self.struct)

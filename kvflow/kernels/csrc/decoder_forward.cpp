@@ -1,0 +1,223 @@
+// The native decoder: one step of a Llama-family model in one call, token ids in, final hidden states
+// and the sampled rows' logits out. Each layer does what kvflow/models/llama.py describes: norm, q/k/v
+// (optional bias and per-head norms), rotary embedding, attention over the paged cache, o, norm,
+// gate/up, SiLU, down.
+//
+// A decode step does little arithmetic per layer, so dispatching each op from Python would cost as much
+// as the op; here the whole stack runs without returning. The caller chooses, per step, how to multiply
+// (kvflow/executors/cpu_fast.py):
+//  - packed: the packed-integer kernel on float32 rows, every row through the paged attention kernel.
+//    Each row's arithmetic depends on its own inputs only: a row's result does not depend on its batch.
+//  - dense (KvflowDense): bfloat16 rows times dense bfloat16 copies of the weights through the caller's
+//    matmul, for steps of many rows where bfloat16 is native. Each pass between two matmuls reads the
+//    last output and writes the next input in bfloat16 in one go; with prompt_attention_bf16, prompt
+//    chunks attend on AMX tiles.
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "kvflow_cpu.h"
+#include "row_ops.h"
+#include "tuning.h"
+
+namespace {
+
+struct Shape {
+  int h, d, hq, hkv, inter, q_size, kv_size, qkv_size;
+  explicit Shape(const KvflowDecoder& m)
+      : h(m.hidden), d(m.head_dim), hq(m.num_heads), hkv(m.num_kv_heads), inter(m.intermediate),
+        q_size(m.num_heads * m.head_dim), kv_size(m.num_kv_heads * m.head_dim), qkv_size(q_size + 2 * kv_size) {}
+};
+
+// f(r) for every row, on the thread team once there are enough rows to share (the result is the same).
+template <typename F>
+void each_row(int rows, int num_threads, F&& f) {
+  const bool team = num_threads > 1 && rows >= kvflow::tuning().parallel_min_rows;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (team)
+  for (int r = 0; r < rows; ++r) f(r);
+}
+
+// One row's q/k/v after its matmul: widened to float32 (from a bfloat16 output), bias, per-head norms
+// and rotary, in place in `row`.
+template <typename In>
+void finish_qkv(const KvflowDecoder& m, const KvflowDecoderLayer& layer, const Shape& s, const In* src, float* row,
+                int64_t position) {
+  if constexpr (!std::is_same_v<In, float>)
+    for (int j = 0; j < s.qkv_size; ++j) row[j] = kvflow::bf16_to_float(src[j]);
+  if (layer.qkv_bias)
+    for (int j = 0; j < s.qkv_size; ++j) row[j] += layer.qkv_bias[j];
+  if (layer.q_norm) {
+    kvflow::rms_norm(row, layer.q_norm, row, s.hq, s.d, m.eps);
+    kvflow::rms_norm(row + s.q_size, layer.k_norm, row + s.q_size, s.hkv, s.d, m.eps);
+  }
+  const float* cos = m.cos + position * s.d;
+  const float* sin = m.sin + position * s.d;
+  kvflow::rotate(row, s.hq, s.d, cos, sin);
+  kvflow::rotate(row + s.q_size, s.hkv, s.d, cos, sin);
+}
+
+// x[j] += widen(delta[j]) (no delta: x as is), then out[j] = x[j] * inv_rms(x) * weight[j].
+template <typename Delta, typename Out>
+void add_norm_row(float* x, const Delta* delta, const float* weight, int width, float eps, Out* out) {
+  if (delta) {
+    int j = 0;
+#ifdef __AVX512F__
+    for (; j + 16 <= width; j += 16) _mm512_storeu_ps(x + j, _mm512_add_ps(_mm512_loadu_ps(x + j), kvflow::load16f(delta + j)));
+#endif
+    for (; j < width; ++j) x[j] += kvflow::load1f(delta + j);
+  }
+  const float inv = kvflow::rms_scale(x, width, eps);
+  int j = 0;
+#ifdef __AVX512F__
+  const __m512 inv16 = _mm512_set1_ps(inv);
+  for (; j + 16 <= width; j += 16)
+    kvflow::store16f(out + j, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + j), inv16), _mm512_loadu_ps(weight + j)));
+#endif
+  for (; j < width; ++j) kvflow::store1f(out + j, x[j] * inv * weight[j]);
+}
+
+struct Buffers {
+  std::vector<float> normed, qkv, attn, proj, gate_up, act;
+  std::vector<int> one_token_rows;
+};
+
+Buffers& buffers(const Shape& s, int rows) {
+  thread_local Buffers b;
+  const size_t n = static_cast<size_t>(rows);
+  b.normed.resize(n * s.h);
+  b.qkv.resize(n * s.qkv_size);
+  b.attn.resize(n * s.q_size);
+  b.proj.resize(n * s.h);
+  b.gate_up.resize(n * 2 * s.inter);
+  b.act.resize(n * s.inter);
+  return b;
+}
+
+// Every layer on the packed kernel, float32 throughout.
+int packed_layers(const KvflowDecoder& m, const KvflowStep& step, const int64_t* positions, int rows, float* hidden,
+                  int threads) {
+  const Shape s(m);
+  Buffers& b = buffers(s, rows);
+  // hidden += proj, then normed = norm(hidden), per row.
+  auto add_norm = [&](const float* delta, const float* weight) {
+    each_row(rows, threads, [&](int r) {
+      const int64_t at = static_cast<int64_t>(r) * s.h;
+      add_norm_row(hidden + at, delta ? delta + at : nullptr, weight, s.h, m.eps, b.normed.data() + at);
+    });
+  };
+  for (int l = 0; l < m.num_layers; ++l) {
+    const KvflowDecoderLayer& layer = m.layers[l];
+    add_norm(l == 0 ? nullptr : b.proj.data(), layer.input_norm);
+    if (kvflow_packed_matmul(&layer.qkv, b.normed.data(), s.h, rows, b.qkv.data(), s.qkv_size, threads)) return -1;
+    each_row(rows, threads, [&](int r) {
+      float* row = b.qkv.data() + static_cast<int64_t>(r) * s.qkv_size;
+      finish_qkv<float>(m, layer, s, row, row, positions[r]);
+    });
+    const float* q = b.qkv.data();
+    const KvflowRows qkv{q, s.qkv_size, q + s.q_size, s.qkv_size, q + s.q_size + s.kv_size, s.qkv_size};
+    if (kvflow_paged_attention(&layer.attention, &step, &qkv, b.attn.data(), s.q_size, 1, threads)) return -1;
+    if (kvflow_packed_matmul(&layer.o, b.attn.data(), s.q_size, rows, b.proj.data(), s.h, threads)) return -1;
+    add_norm(b.proj.data(), layer.post_norm);
+    if (kvflow_packed_matmul(&layer.gate_up, b.normed.data(), s.h, rows, b.gate_up.data(), 2 * s.inter, threads))
+      return -1;
+    each_row(rows, threads, [&](int r) {
+      const float* gu = b.gate_up.data() + static_cast<int64_t>(r) * 2 * s.inter;
+      kvflow::silu_mul(gu, gu + s.inter, b.act.data() + static_cast<int64_t>(r) * s.inter, s.inter);
+    });
+    if (kvflow_packed_matmul(&layer.down, b.act.data(), s.inter, rows, b.proj.data(), s.h, threads)) return -1;
+  }
+  each_row(rows, threads, [&](int r) {
+    const int64_t at = static_cast<int64_t>(r) * s.h;
+    add_norm_row(hidden + at, m.num_layers ? b.proj.data() + at : nullptr, m.final_norm, s.h, m.eps, hidden + at);
+  });
+  return 0;
+}
+
+// Every layer on dense bfloat16 copies through dense.matmul; attention as the file's head says.
+int dense_layers(const KvflowDecoder& m, const KvflowStep& step, const int64_t* positions, int rows, float* hidden,
+                 const KvflowDense& dense, int threads) {
+  const Shape s(m);
+  Buffers& b = buffers(s, rows);
+  b.one_token_rows.clear();
+  for (int i = 0; i < step.num_seqs; ++i)
+    if (step.query_start[i + 1] - step.query_start[i] == 1) b.one_token_rows.push_back(step.query_start[i]);
+  const uint16_t* delta = nullptr;  // the last matmul's output, not yet added to hidden
+  for (int l = 0; l < m.num_layers; ++l) {
+    const KvflowDecoderLayer& layer = m.layers[l];
+    each_row(rows, threads, [&](int r) {
+      const int64_t at = static_cast<int64_t>(r) * s.h;
+      add_norm_row(hidden + at, delta ? delta + at : nullptr, layer.input_norm, s.h, m.eps, dense.normed + at);
+    });
+    if (dense.matmul(dense.context, l, 0, rows)) return -3;
+    each_row(rows, threads, [&](int r) {
+      const int64_t at = static_cast<int64_t>(r) * s.qkv_size;
+      finish_qkv(m, layer, s, dense.qkv + at, b.qkv.data() + at, positions[r]);
+    });
+    const float* q = b.qkv.data();
+    const KvflowRows qkv{q, s.qkv_size, q + s.q_size, s.qkv_size, q + s.q_size + s.kv_size, s.qkv_size};
+    const bool tiles = dense.prompt_attention_bf16 != 0;
+    // Stores every row's K/V; attends the one-token rows (all rows without the tile kernel).
+    if (kvflow_paged_attention(&layer.attention, &step, &qkv, b.attn.data(), s.q_size, tiles ? 0 : 1, threads))
+      return -1;
+    if (tiles) {
+      if (kvflow_prefill_attention_bf16(&layer.attention, &step, q, s.qkv_size, dense.attn, s.q_size, threads)) return -1;
+      for (int r : b.one_token_rows)
+        for (int j = 0; j < s.q_size; ++j)
+          dense.attn[static_cast<int64_t>(r) * s.q_size + j] = kvflow::float_to_bf16(b.attn[static_cast<int64_t>(r) * s.q_size + j]);
+    } else {
+      each_row(rows, threads, [&](int r) {
+        const int64_t at = static_cast<int64_t>(r) * s.q_size;
+        for (int j = 0; j < s.q_size; ++j) dense.attn[at + j] = kvflow::float_to_bf16(b.attn[at + j]);
+      });
+    }
+    if (dense.matmul(dense.context, l, 1, rows)) return -3;
+    each_row(rows, threads, [&](int r) {
+      const int64_t at = static_cast<int64_t>(r) * s.h;
+      add_norm_row(hidden + at, dense.proj + at, layer.post_norm, s.h, m.eps, dense.normed + at);
+    });
+    if (dense.matmul(dense.context, l, 2, rows)) return -3;
+    each_row(rows, threads, [&](int r) {
+      const uint16_t* gu = dense.gate_up + static_cast<int64_t>(r) * 2 * s.inter;
+      kvflow::silu_mul(gu, gu + s.inter, dense.act + static_cast<int64_t>(r) * s.inter, s.inter);
+    });
+    if (dense.matmul(dense.context, l, 3, rows)) return -3;
+    delta = dense.proj;
+  }
+  each_row(rows, threads, [&](int r) {
+    const int64_t at = static_cast<int64_t>(r) * s.h;
+    add_norm_row(hidden + at, delta ? delta + at : nullptr, m.final_norm, s.h, m.eps, hidden + at);
+  });
+  return 0;
+}
+
+}  // namespace
+
+extern "C" int32_t kvflow_decoder_forward(const KvflowDecoder* model, const KvflowStep* step, const int64_t* ids,
+                                          const int64_t* positions, int32_t rows, const KvflowDense* dense,
+                                          const int64_t* logit_rows, int32_t num_logits, float* logits, float* hidden,
+                                          int32_t num_threads) {
+  const KvflowDecoder& m = *model;
+  for (int r = 0; r < rows; ++r) {  // refuse before anything is written
+    if (positions[r] < 0 || positions[r] >= m.max_positions) return -2;
+    if (ids[r] < 0 || ids[r] >= m.vocab_size) return -4;
+  }
+  if (m.embedding.data) {
+    kvflow_packed_rows(&m.embedding, ids, rows, hidden);
+  } else {
+    for (int r = 0; r < rows; ++r)
+      std::memcpy(hidden + static_cast<int64_t>(r) * m.hidden, m.embedding_f32 + ids[r] * m.hidden, sizeof(float) * m.hidden);
+  }
+  const int rc = dense ? dense_layers(m, *step, positions, rows, hidden, *dense, num_threads)
+                       : packed_layers(m, *step, positions, rows, hidden, num_threads);
+  if (rc || num_logits == 0 || !m.head.data) return rc;
+  thread_local std::vector<float> picked;  // the sampled rows, side by side
+  picked.resize(static_cast<size_t>(num_logits) * m.hidden);
+  for (int i = 0; i < num_logits; ++i)
+    std::memcpy(picked.data() + static_cast<int64_t>(i) * m.hidden, hidden + logit_rows[i] * m.hidden,
+                sizeof(float) * m.hidden);
+  if (kvflow_packed_matmul(&m.head, picked.data(), m.hidden, num_logits, logits, m.head.n, num_threads)) return -1;
+  if (m.head_abs_sum)
+    kvflow_packed_refine_top(&m.head, picked.data(), m.hidden, num_logits, logits, m.head.n, m.head_abs_sum);
+  return 0;
+}

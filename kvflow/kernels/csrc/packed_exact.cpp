@@ -1,0 +1,123 @@
+// Exact reads of a packed weight: rows dequantized exactly (embedding lookups) and the best outputs of a
+// packed matmul recomputed in double from the stored codes (an output head's greedy choice).
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "kvflow_cpu.h"
+#include "row_ops.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr float kMaxIntValue = 32639.f;  // kMaxInt, also where the VNNI code is not built
+
+// Column j of a packed weight times x, from the stored codes, summed in double: the exact product.
+double exact_column(const KvflowPackedWeight& w, int64_t j, const float* x) {
+  const int64_t nb = w.k / 32;
+  const size_t chunk = (w.bits == 4 ? 256 : 512) + (w.has_offset ? 64 : 32);
+  const size_t code_bytes = w.bits == 4 ? 256 : 512;
+  const int c = static_cast<int>(j % 16);
+  const uint8_t* group = w.data + static_cast<size_t>(j / 16) * nb * chunk;
+  double total = 0.0;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* at = group + b * chunk;
+    _Float16 scale16, offset16 = 0;
+    std::memcpy(&scale16, at + code_bytes + 2 * c, 2);
+    if (w.has_offset) std::memcpy(&offset16, at + code_bytes + 32 + 2 * c, 2);
+    const double scale = static_cast<double>(scale16), offset = static_cast<double>(offset16);
+    const float* xb = x + b * 32;
+    double dot = 0.0, sum = 0.0;
+    for (int k = 0; k < 32; ++k) {
+      int q;
+      if (w.bits == 4) {
+        const uint8_t byte = at[64 * (k / 8) + 4 * c + k % 4];
+        q = (k % 8) < 4 ? (byte & 0x0f) : (byte >> 4);
+      } else {
+        q = at[64 * (k / 4) + 4 * c + k % 4];
+      }
+      dot += static_cast<double>(q) * xb[k];
+      sum += xb[k];
+    }
+    total += scale * dot + offset * sum;
+  }
+  return total;
+}
+
+}  // namespace
+
+extern "C" int32_t kvflow_packed_refine_top(const KvflowPackedWeight* w, const float* x, int64_t x_stride, int32_t m,
+                                            float* y, int64_t y_stride, const float* block_abs_sum) {
+  const int64_t nb = w->k / 32;
+  float w_max = 0.f;
+  for (int64_t b = 0; b < nb; ++b) w_max = block_abs_sum[b] > w_max ? block_abs_sum[b] : w_max;
+  int recomputed = 0;
+  for (int r = 0; r < m; ++r) {
+    const float* xr = x + r * x_stride;
+    float* yr = y + r * y_stride;
+    // The bound PackedLinear.error_bound states: half an input step per block times the block's |w| sum.
+    float spread = 0.f, l1 = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      float amax = 0.f;
+      for (int i = 0; i < 32; ++i) {
+        const float v = std::fabs(xr[b * 32 + i]);
+        amax = v > amax ? v : amax;
+        l1 += v;
+      }
+      spread += amax * block_abs_sum[b];
+    }
+    const float bound = spread / (2.f * kMaxIntValue) * 1.01f + 1e-6f * l1 * w_max;
+    const float floor = kvflow::largest(yr, w->n) - 2.f * bound;
+    int64_t j = 0;
+#ifdef __AVX512F__
+    const __m512 fv = _mm512_set1_ps(floor);
+    for (; j + 16 <= w->n; j += 16) {
+      __mmask16 near = _mm512_cmp_ps_mask(_mm512_loadu_ps(yr + j), fv, _CMP_GE_OQ);
+      while (near) {
+        const int i = __builtin_ctz(near);
+        near &= near - 1;
+        yr[j + i] = static_cast<float>(exact_column(*w, j + i, xr));
+        ++recomputed;
+      }
+    }
+#endif
+    for (; j < w->n; ++j) {
+      if (yr[j] >= floor) {
+        yr[j] = static_cast<float>(exact_column(*w, j, xr));
+        ++recomputed;
+      }
+    }
+  }
+  return recomputed;
+}
+
+extern "C" void kvflow_packed_rows(const KvflowPackedWeight* w, const int64_t* ids, int32_t count, float* out) {
+  const int64_t nb = w->k / 32;
+  const size_t chunk = (w->bits == 4 ? 256 : 512) + (w->has_offset ? 64 : 32);
+  const size_t code_bytes = w->bits == 4 ? 256 : 512;
+  for (int i = 0; i < count; ++i) {
+    const int c = static_cast<int>(ids[i] % 16);
+    const uint8_t* group = w->data + static_cast<size_t>(ids[i] / 16) * nb * chunk;
+    float* row = out + static_cast<int64_t>(i) * w->k;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* at = group + b * chunk;
+      _Float16 scale16, offset16 = 0;
+      std::memcpy(&scale16, at + code_bytes + 2 * c, 2);
+      if (w->has_offset) std::memcpy(&offset16, at + code_bytes + 32 + 2 * c, 2);
+      const float scale = static_cast<float>(scale16), offset = static_cast<float>(offset16);
+      for (int k = 0; k < 32; ++k) {
+        int q;
+        if (w->bits == 4) {
+          const uint8_t byte = at[64 * (k / 8) + 4 * c + k % 4];
+          q = (k % 8) < 4 ? (byte & 0x0f) : (byte >> 4);
+        } else {
+          q = at[64 * (k / 4) + 4 * c + k % 4];
+        }
+        row[b * 32 + k] = static_cast<float>(q) * scale + offset;  // scale * q is exact: one rounding
+      }
+    }
+  }
+}

@@ -1,0 +1,148 @@
+// The packed matmul on AVX512-VNNI: 16 columns x 4 inputs per vpdpbusd (see packed_matmul.cpp).
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "packed_common.h"
+
+namespace kvflow::packed {
+
+// One row's inputs -> digits, per block of 32: s = max|x| / kMaxInt, x_int = round(x / s).
+void quantize_row(const float* x, int64_t k, int8_t* hi, int8_t* lo, float* scale, float* sum) {
+  const __m512 sign_off = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const __m512 v0 = _mm512_loadu_ps(x + b * kBlock), v1 = _mm512_loadu_ps(x + b * kBlock + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, sign_off), _mm512_and_ps(v1, sign_off)));
+    const float s = amax / kMaxInt;
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? kMaxInt / amax : 0.f);
+    __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));  // round to nearest even
+    __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+    const __m512i lim = _mm512_set1_epi32(kMaxInt), neg = _mm512_set1_epi32(-kMaxInt);
+    q0 = _mm512_max_epi32(_mm512_min_epi32(q0, lim), neg);  // x / s can round past the bound by an ulp
+    q1 = _mm512_max_epi32(_mm512_min_epi32(q1, lim), neg);
+    const __m512i c128 = _mm512_set1_epi32(128);
+    const __m512i h0 = _mm512_srai_epi32(_mm512_add_epi32(q0, c128), 8), h1 = _mm512_srai_epi32(_mm512_add_epi32(q1, c128), 8);
+    const __m512i l0 = _mm512_sub_epi32(q0, _mm512_slli_epi32(h0, 8)), l1 = _mm512_sub_epi32(q1, _mm512_slli_epi32(h1, 8));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + b * kBlock), _mm512_cvtepi32_epi8(h0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + b * kBlock + 16), _mm512_cvtepi32_epi8(h1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + b * kBlock), _mm512_cvtepi32_epi8(l0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + b * kBlock + 16), _mm512_cvtepi32_epi8(l1));
+    scale[b] = s;
+    sum[b] = s * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+  }
+}
+
+inline __m512i broadcast4(const int8_t* p) {  // four input digits, in every 32-bit lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// Columns [16 g0, 16 (g0 + G)) for M rows: acc[r][g] holds 16 columns of row r.
+template <int M, int G>
+void tile_group(const KvflowPackedWeight& w, int64_t g0, const Rows& rows, float* y, int64_t y_stride) {
+  const int64_t nb = w.k / kBlock;
+  const size_t chunk = chunk_bytes(w);
+  const size_t code_bytes = w.bits == 4 ? 256 : 512;
+  const bool has_offset = w.has_offset != 0;
+  const uint8_t* base[G];
+  for (int g = 0; g < G; ++g) base[g] = w.data + static_cast<size_t>(g0 + g) * nb * chunk;
+  const __m512i low_nibble = _mm512_set1_epi8(0x0f);
+  __m512 acc[M][G];
+  for (int r = 0; r < M; ++r)
+    for (int g = 0; g < G; ++g) acc[r][g] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i sum_hi[M][G], sum_lo[M][G];
+    for (int r = 0; r < M; ++r)
+      for (int g = 0; g < G; ++g) sum_hi[r][g] = sum_lo[r][g] = _mm512_setzero_si512();
+    const size_t at = static_cast<size_t>(b) * chunk;
+    for (int g = 0; g < G; ++g) prefetch_ahead(base[g] + at, chunk);
+    auto step = [&](int quad, const __m512i* codes) {  // codes[g]: 16 columns x inputs 4 quad .. 4 quad + 3
+      __m512i xh[M], xl[M];
+      for (int r = 0; r < M; ++r) {
+        xh[r] = broadcast4(rows.hi + r * rows.stride + b * kBlock + 4 * quad);
+        xl[r] = broadcast4(rows.lo + r * rows.stride + b * kBlock + 4 * quad);
+      }
+      for (int g = 0; g < G; ++g)
+        for (int r = 0; r < M; ++r) {
+          sum_hi[r][g] = _mm512_dpbusd_epi32(sum_hi[r][g], codes[g], xh[r]);
+          sum_lo[r][g] = _mm512_dpbusd_epi32(sum_lo[r][g], codes[g], xl[r]);
+        }
+    };
+    if (w.bits == 4) {
+      for (int row = 0; row < 4; ++row) {  // 64 bytes: low nibbles are inputs 8 row .. +3, high +4 .. +7
+        __m512i lo[G], hi[G];
+        for (int g = 0; g < G; ++g) {
+          const __m512i v = _mm512_loadu_si512(base[g] + at + 64 * row);
+          lo[g] = _mm512_and_si512(v, low_nibble);
+          hi[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibble);
+        }
+        step(2 * row, lo);
+        step(2 * row + 1, hi);
+      }
+    } else {
+      for (int row = 0; row < 8; ++row) {
+        __m512i codes[G];
+        for (int g = 0; g < G; ++g) codes[g] = _mm512_loadu_si512(base[g] + at + 64 * row);
+        step(row, codes);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const uint8_t* s = base[g] + at + code_bytes;
+      const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+      const __m512 offset =
+          has_offset ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32))) : _mm512_setzero_ps();
+      for (int r = 0; r < M; ++r) {
+        // 256 h + l: below 2^24 in magnitude for 4-bit codes, so exact in float32.
+        const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(sum_hi[r][g], 8), sum_lo[r][g]);
+        const __m512 col_scale = _mm512_mul_ps(scale, _mm512_set1_ps(rows.scale[r * rows.blocks + b]));
+        acc[r][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), col_scale, acc[r][g]);
+        if (has_offset) acc[r][g] = _mm512_fmadd_ps(offset, _mm512_set1_ps(rows.sum[r * rows.blocks + b]), acc[r][g]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const int64_t col = (g0 + g) * 16;
+    const int64_t left = w.n - col;
+    const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+    for (int r = 0; r < M; ++r) _mm512_mask_storeu_ps(y + r * y_stride + col, mask, acc[r][g]);
+  }
+}
+
+// Groups [g_lo, g_hi) for M rows, groups as wide as the registers allow.
+template <int M>
+void rows_block(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y, int64_t ys) {
+  constexpr int G = M == 1 ? 4 : (M == 2 ? 2 : 1);
+  int64_t g = g_lo;
+  for (; g + G <= g_hi; g += G) tile_group<M, G>(w, g, rows, y, ys);
+  for (; g < g_hi; ++g) tile_group<M, 1>(w, g, rows, y, ys);
+}
+
+// Groups [g_lo, g_hi) for rows [0, m): four groups at a time, and for each, all rows four at a time, so
+// the groups' bytes come from memory once and stay in L1 for the later rows. (Rows outside, groups
+// inside, read them again per 4 rows, from L2 at best.)
+void run_groups(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, int m, float* y,
+                int64_t ys) {
+  constexpr int64_t kGroupsAtOnce = 4;
+  for (int64_t g0 = g_lo; g0 < g_hi; g0 += kGroupsAtOnce) {
+    const int64_t g1 = g0 + kGroupsAtOnce < g_hi ? g0 + kGroupsAtOnce : g_hi;
+    for (int r0 = 0; r0 < m; r0 += 4) {
+      Rows part = rows;
+      part.hi += r0 * rows.stride;
+      part.lo += r0 * rows.stride;
+      part.scale += r0 * rows.blocks;
+      part.sum += r0 * rows.blocks;
+      float* yr = y + r0 * ys;
+      switch (m - r0 >= 4 ? 4 : m - r0) {
+        case 1: rows_block<1>(w, g0, g1, part, yr, ys); break;
+        case 2: rows_block<2>(w, g0, g1, part, yr, ys); break;
+        case 3: rows_block<3>(w, g0, g1, part, yr, ys); break;
+        default: rows_block<4>(w, g0, g1, part, yr, ys); break;
+      }
+    }
+  }
+}
+
+}  // namespace kvflow::packed

@@ -1,0 +1,107 @@
+"""kvflow's packed matmul kernel (kernels/packed_matmul): its byte layout, accuracy, stated error bound,
+and row independence across row counts (VNNI for few rows, AMX int8 tiles for more) and thread counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvflow.kernels import packed_matmul
+from kvflow.layers.quant import BlockQuant, PackedLinear, quantize_weight
+
+# The kernel needs a C++ compiler and AVX512-VNNI; CI's machines have both, a laptop may not.
+pytestmark = pytest.mark.skipif(not packed_matmul.available(), reason="needs a C++ compiler and AVX512-VNNI")
+
+
+def parts(bq: BlockQuant) -> tuple:
+    return bq.q, bq.scale, bq.offset, bq.group_size, bq.bits
+
+
+def pack(bq: BlockQuant) -> packed_matmul.PackedWeight:
+    return packed_matmul.pack(*parts(bq))
+
+
+def codes(bits: int, n: int, k: int, seed: int = 0) -> BlockQuant:
+    """GGUF-like codes: float16 scales (Q4_1-style offsets for 4 bits, Q8_0's -128 d for 8)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 0.1
+    bq = quantize_weight(w, "int4" if bits == 4 else "int8", 32)
+    bq.scale = bq.scale.half().float()
+    bq.offset = bq.offset.half().float() if bits == 4 else -128.0 * bq.scale
+    return bq
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize(("n", "k"), [(100, 64), (960, 576), (576, 1536)])
+def test_layout_round_trip_and_accuracy(bits, n, k):
+    bq = codes(bits, n, k)
+    pw = pack(bq)
+    assert torch.equal(packed_matmul.dequantize(pw), bq.dequantize())  # the file's weights, bit for bit
+    rows = torch.tensor([0, 17, n - 1])
+    assert torch.equal(packed_matmul.dequantize(pw, rows), bq.dequantize()[rows])
+    x = torch.randn(5, k)
+    ref = x.double() @ bq.dequantize().double().t()
+    y = packed_matmul.matmul(x, pw)
+    # Inputs quantized to 16-bit integers per block: measured 2e-5 of the output's range.
+    assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-4
+    bound = PackedLinear(bq).error_bound(x)
+    assert ((y.double() - ref).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+# 200 x 576: VNNI below 16 rows, AMX int8 tiles from 16 where the CPU has them; on one thread at one row.
+# 960 x 576: the same paths, split across threads already at one row (a layer's qkv projection). 2048 x 64:
+# a wide, shallow matrix like the output head, on tiles 8 rows high at 8 rows and 16 high from 16.
+@pytest.mark.parametrize(("n", "k"), [(200, 576), (960, 576), (2048, 64)])
+def test_rows_do_not_depend_on_the_batch_or_threads(bits, n, k):
+    bq = codes(bits, n, k, seed=1)
+    pw = pack(bq)
+    x = torch.randn(37, k)
+    single = torch.cat([packed_matmul.matmul(x[i : i + 1], pw) for i in range(37)])  # VNNI, one row
+    for m in (3, 8, 16, 37):
+        assert torch.equal(packed_matmul.matmul(x[:m], pw), single[:m])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(packed_matmul.matmul(x, pw), single)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_zero_rows_and_strided_input():
+    bq = codes(4, 48, 64)
+    pw = pack(bq)
+    x = torch.randn(4, 128)[:, :64]  # rows with a stride of 128
+    assert torch.equal(packed_matmul.matmul(x, pw), packed_matmul.matmul(x.contiguous(), pw))
+    assert torch.equal(packed_matmul.matmul(torch.zeros(2, 64), pw), torch.zeros(2, 48))
+    assert packed_matmul.matmul(torch.zeros(0, 64), pw).shape == (0, 48)
+
+
+def test_codes_it_cannot_keep_exactly_are_refused():
+    bq = codes(4, 32, 64)
+    assert packed_matmul.can_pack(*parts(bq))
+    inexact = BlockQuant(bq.q, bq.scale * (1 + 2**-20), bq.offset, 32, 4)  # scales not float16 values
+    wide = quantize_weight(torch.randn(32, 128), "int8", 64)
+    for bad in (inexact, wide):
+        assert not packed_matmul.can_pack(*parts(bad))
+        with pytest.raises(ValueError, match="groups of 32"):
+            pack(bad)
+    with pytest.raises(ValueError, match="float32"):
+        packed_matmul.matmul(torch.randn(2, 64, dtype=torch.float64), pack(bq))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_exact_top_gives_the_exact_argmax(bits):
+    """Outputs within two error bounds of a row's largest are recomputed from the codes in double: the
+    argmax, and those values, are the exact product's; the others stay within the bound."""
+    bq = codes(bits, 3000, 576, seed=2)
+    layer = PackedLinear(bq)
+    x = torch.randn(6, 576)
+    exact = x.double() @ bq.dequantize().double().t()
+    fast = packed_matmul.matmul(x, layer.packed)
+    y = layer.exact_top(x)
+    assert torch.equal(y.argmax(-1), exact.argmax(-1))
+    changed = y != fast
+    assert changed.any(axis=-1).all()  # at least each row's best was recomputed
+    assert torch.equal(y[changed], exact[changed].float())
+    assert ((y.double() - exact).abs() <= layer.error_bound(x)).all()
