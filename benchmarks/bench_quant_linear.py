@@ -23,7 +23,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kvflow.kernels import packed_matmul
+from kvflow.executors.thresholds import ROW_THRESHOLDS
+from kvflow.kernels import abi, packed_matmul
 from kvflow.layers.quant import build_quant_linear, quantize_weight
 
 SHAPES = {  # name: (in, out)
@@ -66,7 +67,7 @@ def cell(k: int, n: int, rows: int, reps: int) -> dict[str, float]:
         for name, scheme in (("kv Q4_1", "int4"), ("kv Q8_0", "int8")):
             bq = quantize_weight(w, scheme, 32)
             bq.scale, bq.offset = bq.scale.half().float(), bq.offset.half().float()  # float16 scales, as GGUF
-            pw = packed_matmul.pack(bq)
+            pw = packed_matmul.pack(bq.q, bq.scale, bq.offset, bq.group_size, bq.bits)
             fns[name] = lambda pw=pw: packed_matmul.matmul(x, pw)
     fns["Q4_1 auto"] = lambda: q41(x)
     fns["Q8_0 auto"] = lambda: q80(x)
@@ -81,6 +82,8 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if abi.native() is not None:  # the kernels' crossovers as the engine sets them
+        abi.native().kvflow_set_tuning(tuning=ROW_THRESHOLDS.kernel_tuning())
     torch.manual_seed(0)
     cols = ["f32 dense", "bf16 dense", "i4 kern", "i8 kern", "q8 2xi4", "i4 deq+mm", "kv Q4_1", "kv Q8_0",
             "Q4_1 auto", "Q8_0 auto"]

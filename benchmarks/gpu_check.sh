@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check, one run on one CUDA machine in under 8 minutes, nothing downloaded:
-#   1. CUDA tests (tests/gpu)          2. parity with transformers on the default model
+#   1. CUDA tests (Triton, graphs)         2. parity with transformers on the default model
 #   3. probe: copy bandwidth, bf16 matmul rate          4. kvflow latency: pp512, pp4096, tg128
 #   5. transformers on the same shapes                  6. one table (fraction of roofline, ratio to transformers)
 # Each step runs under its own time limit and a failing step does not stop the next. Everything
@@ -32,7 +32,7 @@ step() {
 
 # 1. CUDA tests. On a GPU the Triton kernels compile for real; CPU-only tests there are quick.
 if "$PY" -c "import pytest" 2>/dev/null; then
-    step tests 90 "$PY" -m pytest -q -p no:cacheprovider tests/gpu
+    step tests 90 "$PY" -m pytest -q -p no:cacheprovider tests/layers/attention tests/executors/test_cuda_graphs.py
 else
     echo "=== tests: SKIPPED, pytest is not installed" | tee -a "$OUT/steps.txt"
 fi

@@ -51,8 +51,14 @@ def _optional_commands():
     try:
         from kvflow.bench.cli import add_bench_parser
         from kvflow.bench.latency_cli import add_latency_parser
+        from kvflow.bench.request_path import add_path_parser
 
-        registrations.append(lambda sub: add_latency_parser(add_bench_parser(sub)))
+        def add_bench(sub) -> None:
+            bench = add_bench_parser(sub)
+            add_latency_parser(bench)
+            add_path_parser(bench)
+
+        registrations.append(add_bench)
     except ImportError:
         pass
     return registrations

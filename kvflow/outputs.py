@@ -30,7 +30,8 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Per-request timings (monotonic seconds) and counts, kept as the request runs."""
+    """Per-request timings (monotonic seconds) and counts, as of the output that carries them; the
+    durations are None until their events happen (engine/request.py derives them)."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -41,31 +42,11 @@ class RequestMetrics:
     num_cached_tokens: int = 0
     num_generated_tokens: int = 0
     num_preemptions: int = 0
-
-    @property
-    def queue_time(self) -> float | None:
-        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def prefill_time(self) -> float | None:
-        if self.first_token_time is None or self.first_scheduled_time is None:
-            return None
-        return self.first_token_time - self.first_scheduled_time
-
-    @property
-    def decode_time(self) -> float | None:
-        if self.first_token_time is None or not self.token_times:
-            return None
-        return self.token_times[-1] - self.first_token_time
-
-    @property
-    def tpot(self) -> float | None:
-        n = len(self.token_times)
-        return None if n < 2 else (self.token_times[-1] - self.token_times[0]) / (n - 1)
+    queue_time: float | None = None  # arrival to first scheduled
+    ttft: float | None = None  # arrival to first token
+    prefill_time: float | None = None  # first scheduled to first token
+    decode_time: float | None = None  # first token to last token
+    tpot: float | None = None  # mean time per output token after the first
 
 
 @dataclass

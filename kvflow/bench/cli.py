@@ -91,7 +91,8 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from kvflow.bench.serve import ServeConfig, format_summary, parse_goodput, run_serve
+    from kvflow.bench.serve import ServeConfig, run_serve
+    from kvflow.bench.serve_report import format_summary, parse_goodput
 
     cfg = ServeConfig(
         base_url=args.base_url,

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from kvflow.kernels import cpu_features
+
 GiB = 1 << 30
 MiB = 1 << 20
 
@@ -47,14 +49,7 @@ def default_probe_path() -> Path:
 
 
 def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    return cpu_features.cpu_name()
 
 
 def machine_info(device: str = "cpu") -> dict[str, Any]:

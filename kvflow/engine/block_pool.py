@@ -5,8 +5,9 @@ still be found by a prefix-cache lookup (and revived) until it is popped for reu
 evicted and its hash forgotten. Freeing a hashed block appends it to the queue's tail and allocation
 pops the head, so the least recently freed cached blocks are evicted first. A block freed without a hash
 holds nothing to find again: it goes to the head and is reused first, ahead of blocks never written. On
-CPU the cache starts as untouched memory, and first writes to a page fault it in (a 512-token prompt's
-K/V took 16 to 28 ms of faults when every request got fresh blocks).
+CPU the cache starts as untouched memory, and first writes to a page fault it in: reusing written
+blocks first keeps those faults out of requests' prefill (figures: benchmarks/RESULTS.md, "Figures
+behind the code").
 """
 
 from __future__ import annotations

@@ -15,8 +15,7 @@ import torch
 
 from kvflow.config import EngineConfig
 from kvflow.engine.detokenizer import IncrementalDetokenizer
-from kvflow.engine.request import Request, RequestStatus
-from kvflow.engine.request_state import RequestGroup, SequenceState
+from kvflow.engine.request import Request, RequestGroup, RequestStatus, SequenceState
 from kvflow.engine.runner import ModelRunner
 from kvflow.engine.scheduler import Scheduler
 from kvflow.engine.scheduler_output import ScheduledSequence, SchedulerOutput

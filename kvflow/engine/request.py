@@ -1,4 +1,6 @@
-"""One generation request as the engine core sees it: its tokens, its progress and its state.
+"""A request as the engine core sees it (Request: its tokens, progress and status) and as the engine
+front end tracks it (RequestGroup: the n sequences of one user request; SequenceState: one sequence's
+text, logprobs and generator).
 
 The scheduler's single rule works on two numbers: `num_tokens` (prompt + output so far) and
 `num_computed_tokens` (how many of those already have KV in the cache). Each step computes some of the
@@ -11,6 +13,10 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import torch
+
+from kvflow.engine.detokenizer import IncrementalDetokenizer
+from kvflow.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvflow.sampling_params import SamplingParams
 
 # One clock for every engine-side timestamp, so differences (TTFT, ITL) are meaningful.
@@ -117,3 +123,82 @@ class Request:
             f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens})"
         )
+
+
+@dataclass
+class SequenceState:
+    """One of the n completions of a request, backed by one engine Request."""
+
+    group_id: str
+    index: int
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    num_processed: int = 0  # output tokens already detokenized
+
+    def completion(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text=self.detokenizer.output_text,
+            token_ids=list(self.request.output_token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.request.stop_reason,
+            delta_text=self.delta_text,
+            delta_token_ids=list(self.delta_token_ids),
+        )
+
+
+@dataclass
+class RequestGroup:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sequences: list[SequenceState] = field(default_factory=list)
+    children_to_fork: int = 0  # n - 1 until the first sequence's prompt is computed
+
+    @property
+    def finished(self) -> bool:
+        return self.children_to_fork == 0 and all(s.finish_reason is not None for s in self.sequences)
+
+    def metrics(self) -> RequestMetrics:
+        first = self.sequences[0].request
+        t = first.timings
+        finished = [s.request.timings.finished_time for s in self.sequences]
+        scheduled, first_token, times = t.first_scheduled_time, t.first_token_time, t.token_times
+        return RequestMetrics(
+            arrival_time=t.arrival_time,
+            first_scheduled_time=scheduled,
+            first_token_time=first_token,
+            finished_time=max(finished) if all(f is not None for f in finished) else None,
+            token_times=list(times),
+            num_prompt_tokens=len(self.prompt_token_ids),
+            num_cached_tokens=max(first.num_cached_tokens, 0),
+            num_generated_tokens=sum(s.request.num_output_tokens for s in self.sequences),
+            num_preemptions=sum(s.request.num_preemptions for s in self.sequences),
+            queue_time=None if scheduled is None else scheduled - t.arrival_time,
+            ttft=None if first_token is None else first_token - t.arrival_time,
+            prefill_time=None if first_token is None or scheduled is None else first_token - scheduled,
+            decode_time=None if first_token is None or not times else times[-1] - first_token,
+            tpot=None if len(times) < 2 else (times[-1] - times[0]) / (len(times) - 1),
+        )
+
+    def output(self) -> RequestOutput:
+        out = RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[s.completion() for s in self.sequences],
+            finished=self.finished,
+            metrics=self.metrics(),
+        )
+        for s in self.sequences:
+            s.delta_text, s.delta_token_ids = "", []
+        return out

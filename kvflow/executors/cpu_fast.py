@@ -48,7 +48,7 @@ class CpuFastExecutor(LayersExecutor):
         picked = inputs.logits_indices
         logits = torch.empty(picked.shape[0], self.vocab_size) if native.head_packed else hidden
         rc = self.forward_native(
-            model=native.byref(), step=ctypes.byref(step), ids=inputs.input_ids.data_ptr(),
+            model=ctypes.byref(native.struct), step=ctypes.byref(step), ids=inputs.input_ids.data_ptr(),
             positions=inputs.positions.data_ptr(), rows=rows, dense=None if dense is None else ctypes.byref(dense),
             logit_rows=picked.data_ptr(), num_logits=picked.shape[0] if native.head_packed else 0,
             logits=logits.data_ptr(), hidden=hidden.data_ptr(), num_threads=torch.get_num_threads())

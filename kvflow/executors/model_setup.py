@@ -84,10 +84,9 @@ def load_model(config: ModelConfig) -> LoadedModel:
 def prepare_model(loaded: LoadedModel) -> None:
     """Make the loaded model ready for its plan's executor (once, however many engines share it)."""
     plan, model = loaded.plan, loaded.model
+    if plan.device.type == "cpu" and abi.native() is not None:
+        abi.native().kvflow_set_tuning(tuning=ROW_THRESHOLDS.kernel_tuning())
     if plan.fast_cpu:
-        native = abi.native()
-        if native is not None:
-            native.kvflow_set_tuning(tuning=ROW_THRESHOLDS.kernel_tuning())
         packed = [m.packed for m in model.modules() if isinstance(m, PackedLinear)]
         packed_matmul.move_to_huge_pages(packed)
         if plan.bf16_copies:

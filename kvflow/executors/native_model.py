@@ -10,8 +10,6 @@ listed there until it is.
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 from torch import nn
 
@@ -116,6 +114,3 @@ class NativeModel:
             cache = paged_attention.layer_struct(k_cache, v_cache, layer.attention.num_heads, layer.attention.scale)
             layer.attention = cache
         self.bound, self._held = kv_caches, [t for pair in kv_caches for t in pair]
-
-    def byref(self) -> ctypes._CArgObject:
-        return ctypes.byref(self.struct)

@@ -14,12 +14,6 @@ import torch
 from kvflow.sampling_params import SamplingParams
 
 
-def has_penalties(params: SamplingParams) -> bool:
-    return (
-        params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
-    )
-
-
 def token_counts(token_lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
     """[len(token_lists), vocab_size] counts of each id per row, from one scatter_add over a padded tensor."""
     width = max((len(t) for t in token_lists), default=0)
@@ -46,7 +40,7 @@ def apply_penalties(
     logits multiplied by it. presence/frequency (OpenAI): subtract presence * (count > 0) + frequency *
     count, with counts over the generated output only.
     """
-    rows = [i for i, p in enumerate(params) if has_penalties(p)]
+    rows = [i for i, p in enumerate(params) if p.has_penalties]
     if not rows:
         return logits
     vocab_size = logits.shape[1]

@@ -58,9 +58,10 @@ class Sampler:
         raw_logprobs, logprob_rows = _raw_logprobs(logits, rows)
 
         params = [r.params for r in rows]
-        logits = apply_penalties(
-            logits, params, [r.prompt_token_ids for r in rows], [r.output_token_ids for r in rows]
-        )
+        if any(p.has_penalties for p in params):
+            logits = apply_penalties(
+                logits, params, [r.prompt_token_ids for r in rows], [r.output_token_ids for r in rows]
+            )
         if any(r.suppress_token_ids for r in rows):
             logits = suppress_tokens(logits, [r.suppress_token_ids for r in rows])
 
@@ -82,8 +83,8 @@ class Sampler:
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax (the first index on ties, as torch.argmax). On CPU through NumPy: PyTorch's
-    argmax over one 49K-logit row takes about 0.1 ms, 2% of a decode step here; NumPy's, 6 us."""
+    """Each row's argmax (the first index on ties, as torch.argmax). On CPU through NumPy, whose argmax
+    over a vocabulary-sized row is an order of magnitude quicker than PyTorch's (benchmarks/RESULTS.md)."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return torch.from_numpy(np.asarray(logits.detach().numpy().argmax(axis=-1)))
     return logits.argmax(dim=-1)

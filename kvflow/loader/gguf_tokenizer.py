@@ -52,7 +52,7 @@ class GGUFVocab:
 
 
 def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    # contents() turns a 49k-entry array into a list in ~50 ms, fast enough to need no raw-part reading.
+    # contents() turns even a vocabulary-sized array into a list quickly enough to need no raw-part reading.
     field = reader.fields.get(key)
     return default if field is None else field.contents()
 

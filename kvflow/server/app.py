@@ -19,8 +19,8 @@ from kvflow.engine.async_engine import AsyncEngine
 from kvflow.server import ollama_api, openai_api
 from kvflow.server.errors import APIError, error_response
 from kvflow.server.metrics import CONTENT_TYPE
-from kvflow.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
-from kvflow.server.state import ServerSettings, ServerState, get_state
+from kvflow.server.middleware import APIKeyMiddleware
+from kvflow.server.serving import ServerSettings, ServerState, get_state
 
 log = logging.getLogger("kvflow")
 
@@ -40,11 +40,9 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app.include_router(ollama_api.router)
     _add_basic_routes(app)
     _add_error_handlers(app, state)
-    # Added last = runs first: the size limit, then the key, then the routes.
-    count = _error_counter(state)
+    # The key is checked before any route runs; the body's size limit as a route reads it (serving.read_body).
     if settings.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, on_error=count)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, on_error=count)
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, on_error=_error_counter(state))
     return app
 
 

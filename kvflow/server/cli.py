@@ -15,7 +15,7 @@ import sys
 import threading
 
 from kvflow.cli_options import add_engine_options, engine_options, parse_bytes
-from kvflow.server.state import DEFAULT_MAX_BODY_BYTES
+from kvflow.server.serving import DEFAULT_MAX_BODY_BYTES
 
 
 def _positive_int(text: str) -> int:
@@ -52,7 +52,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvflow.engine.engine import LLMEngine
     from kvflow.loader.resolve import DEFAULT_MODEL
     from kvflow.server.app import create_app
-    from kvflow.server.state import ServerSettings
+    from kvflow.server.serving import ServerSettings
 
     engine = LLMEngine(engine_config(**engine_options(args)))
     loaded = engine.loaded

@@ -16,11 +16,18 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from kvflow import __version__
 from kvflow.engine.async_engine import EngineDeadError, RequestStream
 from kvflow.outputs import RequestOutput
-from kvflow.server.chat_template import render_chat
 from kvflow.server.ollama_protocol import ChatRequest, GenerateRequest, ShowRequest
-from kvflow.server.serving import abort_on_disconnect, collect, parse_body, submit
-from kvflow.server.state import ServerState, get_state
-from kvflow.server.timings import request_timings, timing_headers
+from kvflow.server.serving import (
+    ServerState,
+    abort_on_disconnect,
+    collect,
+    get_state,
+    parse_body,
+    render_chat,
+    request_timings,
+    submit,
+    timing_headers,
+)
 
 router = APIRouter()
 

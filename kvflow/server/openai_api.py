@@ -1,7 +1,9 @@
-"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions (JSON or SSE streams)."""
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions (JSON or SSE streams), and
+the pieces of their responses: logprobs blocks, usage (with kvflow_timings) and SSE framing."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -10,14 +12,20 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvflow.engine.async_engine import EngineDeadError, RequestStream
-from kvflow.outputs import CompletionOutput, RequestOutput
-from kvflow.server.chat_template import render_chat
+from kvflow.outputs import CompletionOutput, Logprob, RequestOutput
 from kvflow.server.errors import APIError
-from kvflow.server.openai_format import chat_logprobs, completion_logprobs, sse
 from kvflow.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from kvflow.server.serving import abort_on_disconnect, collect, iterate, parse_body, submit
-from kvflow.server.state import get_state
-from kvflow.server.timings import timing_headers, usage
+from kvflow.server.serving import (
+    abort_on_disconnect,
+    collect,
+    get_state,
+    iterate,
+    parse_body,
+    render_chat,
+    request_timings,
+    submit,
+    timing_headers,
+)
 
 router = APIRouter()
 
@@ -181,3 +189,63 @@ async def _chat_events(
         yield sse({**head, "choices": [choice], **tail})
 
 
+# ---- response pieces -------------------------------------------------------------------------
+def sse(obj: dict | str) -> str:
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+def _top(entry: dict[int, Logprob], k: int) -> list[Logprob]:
+    """The k most likely alternatives, best first."""
+    return sorted((lp for lp in entry.values() if 1 <= lp.rank <= k), key=lambda lp: lp.rank)
+
+
+def completion_logprobs(
+    token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]], k: int, offset: int
+) -> dict:
+    """/v1/completions logprobs: tokens, token_logprobs, top_logprobs (top k plus the chosen token), text_offset."""
+    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    for token, entry in zip(token_ids, entries):
+        chosen = entry[token]
+        text = chosen.decoded_token or ""
+        tokens.append(text)
+        token_logprobs.append(chosen.logprob)
+        top: dict[str, float] = {}
+        for lp in _top(entry, k):  # distinct tokens can decode alike (byte tokens): keep the likeliest
+            key = lp.decoded_token or ""
+            top[key] = max(top.get(key, lp.logprob), lp.logprob)
+        top[text] = chosen.logprob
+        top_logprobs.append(top)
+        text_offset.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": text_offset}
+
+
+def _token_entry(lp: Logprob) -> dict:
+    text = lp.decoded_token or ""
+    return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]], k: int) -> dict:
+    """/v1/chat/completions logprobs: {"content": [{token, logprob, bytes, top_logprobs}], "refusal": null}."""
+    content = []
+    for token, entry in zip(token_ids, entries):
+        item = _token_entry(entry[token])
+        item["top_logprobs"] = [_token_entry(lp) for lp in _top(entry, k)]
+        content.append(item)
+    return {"content": content, "refusal": None}
+
+
+def usage(outputs: Sequence[RequestOutput]) -> dict:
+    """OpenAI's usage block (prompt tokens of every prompt, tokens of every choice) plus kvflow_timings."""
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    timings = request_timings(outputs)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": timings["cached_tokens"]},
+        "kvflow_timings": timings,
+    }

@@ -1,30 +1,88 @@
-"""Running requests for a route: parse the body, submit prompts, follow their streams, abort on disconnect."""
+"""What every route needs to run requests: the server's state (engine, names, limits, metrics), the body
+(read within the size limit and validated), the prompt (a chat template rendered), submitting prompts,
+following their streams and aborting them when the client leaves, and where each response's time went.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
-from kvflow.engine.async_engine import EngineDeadError, RequestStream
+from kvflow.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.server.errors import APIError, bad_request, from_value_error
-from kvflow.server.state import ServerState
+from kvflow.server.metrics import ServerMetrics
 
 M = TypeVar("M", bound=BaseModel)
 
 DISCONNECT_POLL_S = 0.1
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+
+
+@dataclass
+class ServerSettings:
+    served_model_name: str
+    model_aliases: set[str] = field(default_factory=set)  # other names the model answers to
+    api_key: str | None = None
+    max_waiting: int | None = None  # refuse new requests (503) while this many wait; None: no limit
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    retry_after_s: int = 1
+
+
+class ServerState:
+    def __init__(self, engine: AsyncEngine, settings: ServerSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.metrics = ServerMetrics(lambda: engine.stats)
+        engine.finished_listeners.append(self.metrics.observe_finished)
+        self.started = time.time()
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.served_model_name
+
+    @property
+    def tokenizer(self):
+        return self.engine.engine.tokenizer
+
+    def check_model(self, name: str | None) -> None:
+        """404 unless name is empty, the served name or one of its aliases (Ollama's ':latest' tag allowed)."""
+        if not name:
+            return
+        names = {self.model_name, *self.settings.model_aliases}
+        if name in names or name.removesuffix(":latest") in names:
+            return
+        raise APIError(404, f"The model `{name}` does not exist. This server serves `{self.model_name}`.",
+                       "model", "model_not_found")
+
+    def check_capacity(self, num_new: int = 1) -> None:
+        """503 with Retry-After while the waiting queue is full."""
+        limit = self.settings.max_waiting
+        waiting = self.engine.num_waiting
+        if limit is not None and waiting + num_new > limit:
+            raise APIError(503, f"the server is busy: {waiting} requests are waiting (limit {limit}); "
+                           "retry later", None, "server_overloaded",
+                           headers={"Retry-After": str(self.settings.retry_after_s)})
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.kvflow
 
 
 async def parse_body(request: Request, model: type[M]) -> M:
-    """The JSON body as `model`; malformed JSON, unknown fields and wrong types are 400s naming the field."""
-    raw = await request.body()
+    """The JSON body as `model`: 413 past the size limit (at once when Content-Length says so, else as the
+    bytes arrive); malformed JSON, unknown fields and wrong types are 400s naming the field."""
+    raw = await read_body(request, get_state(request).settings.max_body_bytes)
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -35,6 +93,34 @@ async def parse_body(request: Request, model: type[M]) -> M:
         return model.model_validate(data)
     except ValidationError as exc:
         raise _validation_error(exc) from None
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    too_large = f"the request body is larger than the limit of {max_bytes} bytes"
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > max_bytes:
+        raise APIError(413, too_large, None, "request_too_large")
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise APIError(413, too_large, None, "request_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise APIError(400, "the client left before sending its whole body", None, "client_disconnected") from None
+    return b"".join(chunks)
+
+
+def render_chat(tokenizer, messages: list[dict], param: str = "messages") -> str:
+    """The prompt text for messages, ending with the assistant's turn; a 400 when the template refuses them."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise bad_request("this model has no chat template, so it cannot chat; use the completions API",
+                          param, "no_chat_template")
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # jinja2 raises TemplateError (or anything a template's raise_exception throws)
+        raise bad_request(f"the chat template could not render these messages: {exc}", param) from None
 
 
 def _validation_error(exc: ValidationError) -> APIError:
@@ -142,3 +228,30 @@ async def collect(request: Request, streams: Sequence[RequestStream]) -> list[Re
         except EngineDeadError as exc:
             raise APIError(500, str(exc), None, "engine_error") from None
     return [f for f in finals if f is not None]
+
+
+_PHASES = (("queue_ms", "queue_time"), ("ttft_ms", "ttft"), ("prefill_ms", "prefill_time"),
+           ("decode_ms", "decode_time"))
+
+
+def request_timings(outputs: Sequence[RequestOutput]) -> dict:
+    """Where a response's time went: queue, TTFT, prefill, decode (ms) and cached prompt tokens. Reported
+    as usage.kvflow_timings (OpenAI), kvflow_timings (Ollama) and x-kvflow-* headers; a request with
+    several prompts reports the slowest prompt's times and the sum of their cached tokens."""
+    timings: dict = {}
+    for key, attr in _PHASES:
+        values = [getattr(o.metrics, attr) for o in outputs]
+        known = [v for v in values if v is not None]
+        timings[key] = round(max(known) * 1000, 3) if known else None
+    timings["cached_tokens"] = sum(o.metrics.num_cached_tokens for o in outputs)
+    return timings
+
+
+def timing_headers(timings: dict) -> dict[str, str]:
+    headers = {}
+    for key, value in timings.items():
+        if value is None:
+            continue
+        name = "x-kvflow-" + key.replace("_ms", "-ms").replace("_", "-")
+        headers[name] = str(value)
+    return headers

@@ -17,7 +17,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from kvflow.bench import serve
+from kvflow.bench import serve, serve_report
 from kvflow.bench.serve import ServeConfig, split_gaps
 from kvflow.bench.serve_dataset import WORDS, PromptMaker, parse_range
 from kvflow.bench.stats import percentile, summarize
@@ -144,7 +144,7 @@ def test_timings_counts_throughput_and_goodput(base_url, tmp_path):
     assert s["slo_met"] <= 4
     assert s["slo_met"] == sum(r["ttft_ms"] <= 100 for r in reqs)
     assert s["goodput"] == pytest.approx(s["slo_met"] / s["duration_s"])
-    assert "TTFT" in serve.format_summary(doc)
+    assert "TTFT" in serve_report.format_summary(doc)
 
 
 def test_multi_token_chunks_use_usage_and_missing_usage_counts_chunks(base_url):
@@ -193,7 +193,7 @@ def test_agent_scenario_reports_each_turn(base_url):
     assert turns[1]["cached_tokens"] == turns[0]["prompt_tokens"]
     assert turns[2]["cached_tokens"] == turns[1]["prompt_tokens"]
     assert all(t["ttft_ms"] >= (FIRST_DELAY - SLACK) * 1000 for t in turns)
-    assert "cached tok" in serve.format_summary(doc)
+    assert "cached tok" in serve_report.format_summary(doc)
 
 
 def test_prompts_have_requested_length_and_shared_prefix():
@@ -219,13 +219,13 @@ def test_split_gaps_and_percentiles():
 
 
 def test_slo_parsing_and_failures_count_against_goodput():
-    assert serve.parse_goodput(["ttft:500", "tpot:50"]) == {"ttft": 500.0, "tpot": 50.0}
+    assert serve_report.parse_goodput(["ttft:500", "tpot:50"]) == {"ttft": 500.0, "tpot": 50.0}
     with pytest.raises(ValueError):
-        serve.parse_goodput(["latency:3"])
+        serve_report.parse_goodput(["latency:3"])
     failed = serve.RequestResult(success=False)
-    assert not serve.meets_slos(failed, {})
+    assert not serve_report.meets_slos(failed, {})
     one_token = serve.RequestResult(success=True, ttft=0.05, e2e=0.05, output_tokens=1)
-    assert serve.meets_slos(one_token, {"ttft": 60, "tpot": 1})
+    assert serve_report.meets_slos(one_token, {"ttft": 60, "tpot": 1})
 
 
 def test_connection_errors_are_reported(tmp_path):
@@ -238,7 +238,7 @@ def test_connection_errors_are_reported(tmp_path):
     assert doc["summary"]["errors"]
     assert doc["summary"]["ttft_ms"]["p50"] is None
     json.dumps(doc, allow_nan=False)  # standard JSON even with nothing to summarize
-    assert "TTFT" in serve.format_summary(doc)
+    assert "TTFT" in serve_report.format_summary(doc)
 
 
 def test_cli_serve(base_url, tmp_path, capsys):

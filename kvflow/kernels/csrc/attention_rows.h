@@ -20,14 +20,14 @@ namespace kvflow::attention {
 
 // Positions per work item. A row's split depends on its own context only, so its result does too (not
 // on the batch or the thread count). Long contexts take longer chunks: half the partial results to
-// merge and half the restarts of each KV head's prefetch stream (0.94 to 0.97x the attention time at
-// depth 4096); shorter ones keep enough chunks to share among threads.
+// merge and half the restarts of each KV head's prefetch stream; shorter ones keep enough chunks to share
+// among threads (figures for this and the constants below: benchmarks/RESULTS.md, "Figures behind the code").
 constexpr int kMaxChunk = 256;
 inline int chunk_length(int context) { return context >= 2048 ? 256 : 128; }
 constexpr int kRowBlock = 16;  // consecutive query rows of one sequence per work item (prefill)
 // How many positions ahead the fixed-size path asks for K rows. The rows of one KV head sit one token
 // stride apart, a pattern the hardware prefetcher follows poorly; without this the kernel waits on
-// memory (about 25% slower at depth 4096 here). 8, 16, 24 and 32 measured alike within noise, 48 worse.
+// memory at depth.
 constexpr int kPrefetchAhead = 16;
 
 
@@ -92,7 +92,7 @@ inline void store_row<float>(const float* src, float* dst, int d) {
 }
 
 // The narrow stores round to nearest even, 16 at a time where AVX-512 runs (a scalar float16
-// conversion is a library call per value: storing a 512-token prompt's K/V took 0.7 ms a layer).
+// conversion is a library call per value).
 template <>
 inline void store_row<uint16_t>(const float* src, uint16_t* dst, int d) {
   int i = 0;
@@ -200,8 +200,8 @@ inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
 }
 
 // exp_shifted_sum for up to 4 heads' scores (kMaxChunk apart) at once: their exps are independent, so
-// they overlap where one head's polynomial chain alone leaves the vector units waiting (3% of a step's
-// attention at depth 4096). Each head's result is bitwise what exp_shifted_sum gives.
+// they overlap where one head's polynomial chain alone leaves the vector units waiting. Each head's
+// result is bitwise what exp_shifted_sum gives.
 inline void group_softmax_parts(float* sc, int heads, int n, float* max_out, float* sum_out) {
   __m512 mv[4], acc[4];
   for (int j = 0; j < heads; ++j) {

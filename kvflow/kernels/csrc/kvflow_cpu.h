@@ -27,8 +27,9 @@ struct KvflowPackedWeight {
   int32_t has_offset;
 };
 
-// Row-count crossovers inside the kernels, set once by the executor from its table
-// (kvflow/executors/thresholds.py) before the first call. Zero fields keep the built-in defaults.
+// Row-count crossovers inside the kernels, set by the executor from its table (kvflow/executors/
+// thresholds.py) before the first call; until then no AMX tiles, and the thread team for every row count.
+// Zero fields keep the current value.
 struct KvflowTuning {
   int32_t packed_amx_min_rows;       // AMX int8 tiles from this many rows (below: VNNI)
   int32_t packed_amx_min_rows_wide;  // the same for wide, shallow matrices (n >= 16 k: an output head)

@@ -1,9 +1,12 @@
-// Where the kernels' row-count crossovers live: defaults here, the executor's table once it is set
-// (kvflow/executors/thresholds.py says how each was measured).
+// Where the kernels' row-count crossovers live while the library runs. They come from the executor's table
+// (kvflow/executors/thresholds.py, which says how each was measured); until it is set, the kernels take
+// the plain choices: no AMX tiles (VNNI gives the same result, bit for bit) and the thread team always.
 #include "tuning.h"
 
+#include <cstdint>
+
 namespace {
-KvflowTuning g_tuning{16, 8, 16};
+KvflowTuning g_tuning{INT32_MAX, INT32_MAX, 1};
 }  // namespace
 
 namespace kvflow {

@@ -21,12 +21,12 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask=
     hq, hkv = q.shape[1], k.shape[1]
     if q.shape[0] == 1 and mask is None:
         return _single_query(q, k, v, scale)
-    # On CPU the fused (flash) kernel takes grouped-query heads as they are (torch 2.13: 4.6 against 4.9 ms
-    # for 512 tokens, 2.6 against 3.9 with a mask); elsewhere repeat the few KV heads, which every kernel takes.
+    # On CPU the fused (flash) kernel takes grouped-query heads as they are, faster than repeating them
+    # (benchmarks/RESULTS.md, "Figures behind the code"); elsewhere repeat the few KV heads, as every kernel takes.
     gqa = hq != hkv and q.device.type == "cpu"
     if hq != hkv and not gqa:
         k, v = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1)
-    # 4-D [1, H, L, D]: with 3-D inputs PyTorch takes the unfused math path on CPU, 4x slower.
+    # 4-D [1, H, L, D]: with 3-D inputs PyTorch takes the unfused math path on CPU, several times slower.
     qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
     return out[0].transpose(0, 1)

@@ -3,7 +3,7 @@
 The kernel `_weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)` dequantizes
     w[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n]      (float32 FMA, scale and zero in x's dtype)
 with scales_and_zeros [K // group_size, N, 2]. Only bfloat16 activations get a vectorized kernel on x86
-(float32 falls to a scalar loop, 50-100x slower), so scales and zeros are stored in bfloat16.
+(float32 falls to a scalar loop, far slower), so scales and zeros are stored in bfloat16.
 An affine code w = s*q + o maps exactly onto it with scale = s and zero = o + 8 s.
 
 For prefill and for embedding rows we also read the packed bytes directly. The packing interleaves rows

@@ -1,11 +1,11 @@
 """Which of kvflow's Python files one chat request runs code in, from the HTTP handler to its last token.
 
 Starts the real server app (uvicorn on 127.0.0.1, the default model unless --model says otherwise),
-sends one warm-up chat request, then profiles every thread while a second one streams: each kvflow
-file in which a function is entered counts once. Prints the files in the order they were first entered
-and their count; with --json, writes them too. The execution-seam issue's goal is at most 15 files.
+sends one warm-up chat request, then profiles every thread while a second one runs: each kvflow file in
+which a function is entered counts once. Prints the files in the order they were first entered and their
+count; with --json, writes them too. The goal for the house is at most 15 files (README, "Layout").
 
-    python benchmarks/request_path.py [--model PATH] [--stream] [--json out.json]
+    kvflow bench path [--model PATH] [--stream] [--json out.json]
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "kvflow"
+PACKAGE = Path(__file__).resolve().parents[1]
 
 
 class FileRecorder:
@@ -32,7 +32,7 @@ class FileRecorder:
         if not self.on or event != "call":
             return
         name = frame.f_code.co_filename
-        if name.startswith(str(PACKAGE)) and name not in self.files:
+        if name.startswith(str(PACKAGE)) and not name.startswith(str(PACKAGE / "bench")) and name not in self.files:
             with self._lock:
                 self.files.setdefault(name, None)
 
@@ -52,7 +52,7 @@ def trace_chat_request(model: str | None, stream: bool) -> list[str]:
     from kvflow.engine.async_engine import AsyncEngine
     from kvflow.engine.engine import LLMEngine
     from kvflow.server.app import create_app
-    from kvflow.server.state import ServerSettings
+    from kvflow.server.serving import ServerSettings
 
     recorder = FileRecorder()
     recorder.install()  # before the server and engine threads start, so they inherit the hook
@@ -85,19 +85,19 @@ def trace_chat_request(model: str | None, stream: bool) -> list[str]:
     return recorder.relative()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--stream", action="store_true", help="stream the answer (SSE)")
-    parser.add_argument("--json", default=None, help="also write the list of files here")
-    args = parser.parse_args()
+def add_path_parser(subparsers) -> None:
+    p = subparsers.add_parser("path", help="the Python files one chat request runs code in")
+    p.add_argument("--model", default=None)
+    p.add_argument("--stream", action="store_true", help="stream the answer (SSE)")
+    p.add_argument("--json", default=None, help="also write the list of files here")
+    p.set_defaults(func=cmd_path)
+
+
+def cmd_path(args: argparse.Namespace) -> int:
     files = trace_chat_request(args.model, args.stream)
     for f in files:
         print(f)
     print(f"{len(files)} kvflow files")
     if args.json:
         Path(args.json).write_text(json.dumps({"files": files, "count": len(files)}, indent=1))
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,0 +1,21 @@
+"""The request path stays short: a chat request to the real server runs code in at most 15 of kvflow's
+Python files, none of them in loader/ or models/ (the fast CPU path runs the native decoder)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvflow.bench.request_path import trace_chat_request
+from kvflow.kernels import packed_matmul
+
+MAX_FILES = 15
+
+
+# Where the packed kernel does not run, the PyTorch layers carry the step (models/, layers/): longer by design.
+@pytest.mark.skipif(not packed_matmul.available(), reason="the native decoder does not run on this CPU")
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_chat_request_crosses_at_most_15_files(stream):
+    files = trace_chat_request(None, stream)
+    assert "kvflow/server/openai_api.py" in files and "kvflow/executors/cpu_fast.py" in files  # it saw the path
+    assert len(files) <= MAX_FILES, files
+    assert not [f for f in files if f.startswith(("kvflow/loader/", "kvflow/models/"))], files
