@@ -1,5 +1,9 @@
 """The Llama-family decoder (Llama 2/3/3.x, SmolLM, TinyLlama, Mistral), also the base of Qwen2/Qwen3.
 
+This file is the architecture's one description: its layers and, through the ArchConfig fields they
+read (norm eps, activation, q/k/v bias, per-head q/k norms), what each does. The modules below run it
+in PyTorch; the native decoder runs the same layers' weights and flags (executors/native_model.py).
+
 forward() takes a flat 1-D batch of tokens from many sequences, their positions and an
 AttentionMetadata; it returns hidden states, and compute_logits() projects only the rows asked for.
 """
