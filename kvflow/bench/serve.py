@@ -30,7 +30,7 @@ from kvflow.bench.serve_dataset import (
     make_agent_conversation,
     make_requests,
 )
-from kvflow.bench.serve_report import per_turn_report, request_record, summarize_results
+from kvflow.bench.serve_report import RequestResult, per_turn_report, request_record, summarize_results
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
@@ -56,27 +56,6 @@ class ServeConfig:
     label: str | None = None
     timeout_s: float = 600.0
     progress: bool = True
-
-
-@dataclass
-class RequestResult:
-    success: bool = False
-    error: str = ""
-    prompt_len: int = 0  # tokens: the server's usage figure when reported, else the intended length
-    output_tokens: int = 0
-    ttft: float = 0.0  # seconds
-    itl: list[float] = field(default_factory=list)
-    e2e: float = 0.0
-    start: float = 0.0  # seconds after the benchmark began
-    cached_tokens: int | None = None
-    text: str = ""
-
-    @property
-    def tpot(self) -> float | None:
-        """Time per output token after the first; None for single-token outputs."""
-        if self.output_tokens <= 1:
-            return None
-        return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
 
 # --- one streaming request ------------------------------------------------------------------------

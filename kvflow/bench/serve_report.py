@@ -3,12 +3,31 @@ under SLOs), the per-turn report of the agent scenario, and the printed table.""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 from kvflow.bench.stats import summarize
 
-if TYPE_CHECKING:
-    from kvflow.bench.serve import RequestResult
+
+@dataclass
+class RequestResult:
+    success: bool = False
+    error: str = ""
+    prompt_len: int = 0  # tokens: the server's usage figure when reported, else the intended length
+    output_tokens: int = 0
+    ttft: float = 0.0  # seconds
+    itl: list[float] = field(default_factory=list)
+    e2e: float = 0.0
+    start: float = 0.0  # seconds after the benchmark began
+    cached_tokens: int | None = None
+    text: str = ""
+
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first; None for single-token outputs."""
+        if self.output_tokens <= 1:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
 
 def meets_slos(res: RequestResult, slos: dict[str, float]) -> bool:
