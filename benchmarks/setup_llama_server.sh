@@ -5,11 +5,14 @@
 # parallel slots (-np), so concurrency-8 throughput compares like for like.
 #
 # Same compiler as setup_llamacpp.sh (clang-16: Debian's GCC 12 breaks llama.cpp's AMX path). About
-# 10 minutes on 2 cores. Idempotent. Env: LLAMACPP_VENV (default: <repo>/.venv-llamacpp).
+# 10 minutes on 2 cores. Idempotent. Env: LLAMACPP_ISA and LLAMACPP_VENV, as setup_llamacpp.sh.
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-venv="${LLAMACPP_VENV:-$repo_root/.venv-llamacpp}"
+# shellcheck source=benchmarks/llamacpp_flags.sh
+source "$repo_root/benchmarks/llamacpp_flags.sh"
+venv="${LLAMACPP_VENV:-$default_venv}"
+export LLAMACPP_VENV="$venv"
 target="$venv/bin/llama-server"
 if [ -x "$target" ]; then
     echo "llama-server already built: $target"
@@ -25,7 +28,7 @@ tar -xzf "$work"/llama_cpp_python-*.tar.gz -C "$work"
 src="$(echo "$work"/llama_cpp_python-*/vendor/llama.cpp)"
 
 cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release \
-    -DCMAKE_C_COMPILER=clang-16 -DCMAKE_CXX_COMPILER=clang++-16 -DGGML_NATIVE=ON \
+    -DCMAKE_C_COMPILER=clang-16 -DCMAKE_CXX_COMPILER=clang++-16 $isa_flags \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DBUILD_SHARED_LIBS=OFF
 cmake --build "$work/build" --target llama-server -j "${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"

@@ -5,11 +5,15 @@
 # Built with clang-16 on purpose: Debian's GCC 12 drops the AMX tile configuration and the AMX
 # kernels then crash (segfault on Q4_1, illegal instruction on Q8_0).
 #
-# Env: LLAMACPP_VENV (default: <repo>/.venv-llamacpp), PYTHON (interpreter for the venv, default python3).
+# Env: LLAMACPP_ISA (native, the default: GGML_NATIVE=ON; or avx2: AVX2 + FMA + F16C only, the peer for
+# kvflow's KVFLOW_ISA=avx2 tier on a bigger CPU), LLAMACPP_VENV (default: <repo>/.venv-llamacpp, or
+# <repo>/.venv-llamacpp-avx2), PYTHON (interpreter for the venv, default python3).
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-venv="${LLAMACPP_VENV:-$repo_root/.venv-llamacpp}"
+# shellcheck source=benchmarks/llamacpp_flags.sh
+source "$repo_root/benchmarks/llamacpp_flags.sh"
+venv="${LLAMACPP_VENV:-$default_venv}"
 python="${PYTHON:-python3}"
 
 if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import llama_cpp" 2>/dev/null; then
@@ -30,7 +34,7 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 "$venv/bin/python" -m pip install --upgrade pip
 
-export CMAKE_ARGS="-DCMAKE_C_COMPILER=clang-16 -DCMAKE_CXX_COMPILER=clang++-16 -DGGML_NATIVE=ON"
+export CMAKE_ARGS="-DCMAKE_C_COMPILER=clang-16 -DCMAKE_CXX_COMPILER=clang++-16 $isa_flags"
 # Keep the build parallel but bounded: the machines are small and shared.
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
 "$venv/bin/python" -m pip install --no-cache-dir --verbose 'llama-cpp-python[server]'

@@ -222,7 +222,10 @@ def main() -> None:
         f"K/V {ours['kv_bytes_per_token']} bytes per token.",
         "",
         f"Probe: copy {row['copy_dram_gb_s']:.1f} GB/s (1 GiB arrays), {row['copy_cache_gb_s']:.1f} GB/s "
-        f"(16 MiB), matmul {row['matmul_f32_tflop_s']:.2f} TFLOP/s f32, {row['matmul_bf16_tflop_s']:.2f} bf16.",
+        f"(16 MiB), matmul {row['matmul_f32_tflop_s']:.2f} TFLOP/s f32, "
+        + (f"{row['matmul_bf16_tflop_s']:.2f} bf16, " if row.get("matmul_bf16_tflop_s") else "bf16 not native, ")
+        + (f"{row['matmul_packed_tflop_s']:.2f} packed (kvflow's int kernel, 512 rows)."
+           if row.get("matmul_packed_tflop_s") else "no packed kernel."),
         "",
         "| test | llama.cpp (llama-cpp-python) | kvflow | kvflow / llama.cpp | kvflow % of roofline |",
         "|---|---|---|---|---|",

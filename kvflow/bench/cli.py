@@ -84,6 +84,11 @@ def cmd_probe(args: argparse.Namespace) -> int:
     def log(line: str) -> None:
         print(line, flush=True)
 
+    if not args.device.startswith("cuda"):
+        from kvflow.kernels import cpu_features, packed_matmul
+
+        print(f"CPU: {cpu_features.cpu_name()}; kernel tier {cpu_features.isa_tier()} (this CPU's: "
+              f"{cpu_features.machine_tier()}); packed kernel: {packed_matmul.path() or 'none'}", flush=True)
     result = run_probe(threads=args.threads, device=args.device, quick=args.quick, log=log)
     path = save_probe(result, args.out)
     print(f"saved {path}")

@@ -23,6 +23,7 @@ from kvflow.bench.probe import bandwidth_bytes_per_s, load_probe, matmul_flop_pe
 from kvflow.bench.roofline import ModelShape
 from kvflow.config import engine_config
 from kvflow.executors.model_setup import load_model
+from kvflow.kernels import cpu_features, packed_matmul
 from kvflow.llm import LLM
 from kvflow.sampling_params import SamplingParams
 
@@ -115,10 +116,10 @@ def run_latency(
         save_probe(probe)
     threads = torch.get_num_threads()
     bandwidth = bandwidth_bytes_per_s(probe, threads=threads)
-    amx = any(getattr(m, "weight_bf16", None) is not None or getattr(m, "dense_bf16", None) is not None
-              for m in loaded.model.modules())
-    prefill_dtype = "bf16" if loaded.dtype != torch.float32 or amx else "f32"  # AMX prefill runs in bf16
+    prefill_dtype = prefill_matmul_kind(loaded)
     flops_rate = matmul_flop_per_s(probe, prefill_dtype, threads=threads)
+    if flops_rate is None:  # an older probe, or one taken where this kind was not timed
+        flops_rate = matmul_flop_per_s(probe, "f32", threads=threads)
     gen = torch.Generator().manual_seed(0)
     results = []
     measure_prefill(llm, 32, 0, gen)  # warm-up: first-touch of weights and caches
@@ -137,6 +138,11 @@ def run_latency(
         "kind": "latency",
         "model": loaded.resolved.name,
         "dtype": str(loaded.dtype).split(".")[-1],
+        "mode": loaded.plan.mode,
+        "cpu_tier": loaded.plan.cpu_tier if loaded.device.type == "cpu" else None,
+        "cpu": cpu_features.cpu_name() if loaded.device.type == "cpu" else None,
+        "packed_kernel": packed_matmul.path() if loaded.quantization else None,
+        "prefill_matmuls": prefill_dtype,
         "threads": threads,
         "weight_bytes_per_step": weight_bytes,
         "kv_bytes_per_token": kv_bytes,
@@ -148,6 +154,15 @@ def run_latency(
     }
 
 
+def prefill_matmul_kind(loaded) -> str:
+    """What a prefill chunk's matmuls run on: "bf16" copies, the "packed" kernel, or "f32" weights."""
+    has_bf16 = any(getattr(m, "weight_bf16", None) is not None or getattr(m, "dense_bf16", None) is not None
+                   for m in loaded.model.modules())
+    if loaded.dtype != torch.float32 or has_bf16:
+        return "bf16"
+    return "packed" if loaded.native is not None else "f32"
+
+
 def _row(test: str, n_prompt: int, n_gen: int, depth: int, batch: int, tps: float, roof: float) -> dict:
     return {
         "test": test, "n_prompt": n_prompt, "n_gen": n_gen, "depth": depth, "batch": batch,
@@ -156,9 +171,11 @@ def _row(test: str, n_prompt: int, n_gen: int, depth: int, batch: int, tps: floa
 
 
 def markdown_table(report: dict) -> str:
+    tier = f", CPU tier {report['cpu_tier']} ({report['cpu']})" if report.get("cpu_tier") else ""
     lines = [
-        f"model {report['model']} ({report['dtype']}), {report['threads']} threads, "
-        f"{report['weight_bytes_per_step'] / 2**20:.0f} MiB of weights read per decode step",
+        f"model {report['model']} ({report['dtype']}, {report.get('mode', '?')} mode), {report['threads']} threads"
+        f"{tier}, {report['weight_bytes_per_step'] / 2**20:.0f} MiB of weights read per decode step, prefill "
+        f"matmuls {report.get('prefill_matmuls', '?')}",
         "",
         "| test | depth | batch | tokens/s | roofline tokens/s | % of roofline |",
         "|---|---|---|---|---|---|",

@@ -1,14 +1,20 @@
 """Machine probe: the limits every benchmark is measured against.
 
 Decode cannot beat (bytes read per step) / memory bandwidth, prefill cannot beat FLOPs / matmul rate,
-so we measure both here, once, and save them as JSON for the other benchmarks to reuse.
+so we measure both here, once, and save them as JSON for the other benchmarks to reuse. Only what the
+engine would use on this CPU is timed: float32 matmuls, kvflow's packed-integer kernel at a prefill
+size, and bfloat16 matmuls only where they are native (AMX, AVX512-BF16; elsewhere PyTorch emulates
+them, about 200 times slower, and one 2048^3 product alone would take a minute). The kernel tier found
+(kernels/cpu_features) is recorded with the machine. A full probe takes a few seconds on any CPU.
 
 Saved format (``kind: "probe"``)::
 
     {"kind": "probe", "device": "cpu", "quick": false,
-     "machine": {"cpu_model", "logical_cores", "usable_cores", "torch_version", "date", "platform", "gpu"?},
-     "results": [{"threads": 1, "copy_dram_gb_s", "copy_cache_gb_s",
-                  "matmul_f32_tflop_s", "matmul_bf16_tflop_s"}, ...],
+     "machine": {"cpu_model", "cpu_tier", "logical_cores", "usable_cores", "torch_version", "date",
+                 "platform", "gpu"?},
+     "results": [{"threads": 1, "copy_dram_gb_s", "copy_cache_gb_s", "matmul_f32_tflop_s",
+                  "matmul_bf16_tflop_s" (None where bfloat16 is not native), "matmul_packed_tflop_s"
+                  (None without the kernels or on CUDA)}, ...],
      "sizes": {"dram_bytes", "cache_bytes", "matmul_n"}}
 
 Bandwidth counts bytes read plus bytes written (a copy of N bytes moves 2N).
@@ -63,6 +69,8 @@ def machine_info(device: str = "cpu") -> dict[str, Any]:
     }
     if device.startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    else:
+        info["cpu_tier"] = cpu_features.isa_tier()
     return info
 
 
@@ -118,6 +126,26 @@ def matmul_rate(n: int, dtype: torch.dtype, device: str = "cpu", reps: int = 5, 
     return 2 * n**3 / seconds
 
 
+def packed_rate(rows: int, reps: int = 5, warmup: int = 2) -> float | None:
+    """FLOP/s of kvflow's packed 4-bit matmul at `rows` rows of a 1536 x 576 weight (a prefill chunk's
+    gate/up projection of the default model), with the engine's kernel crossovers; None without kernels."""
+    from kvflow.executors.thresholds import ROW_THRESHOLDS
+    from kvflow.kernels import abi, packed_matmul
+
+    if not packed_matmul.available():
+        return None
+    abi.native().kvflow_set_tuning(tuning=ROW_THRESHOLDS.kernel_tuning())
+    n, k = 1536, 576
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+    scale = (torch.rand(n, k // 32, generator=gen) * 0.01).half().float()
+    pw = packed_matmul.pack(q, scale, torch.zeros_like(scale), 32, 4)
+    x = torch.randn(rows, k, generator=gen)
+    out = torch.empty(rows, n)
+    seconds = _median_seconds(lambda: packed_matmul.matmul(x, pw, out=out), torch.device("cpu"), reps, warmup)
+    return 2 * rows * n * k / seconds
+
+
 def run_probe(
     threads: list[int] | None = None,
     device: str = "cpu",
@@ -140,12 +168,15 @@ def run_probe(
     for t in threads:
         # Thread count only matters on the CPU; on CUDA it is recorded but has no effect.
         with torch_threads(None if is_cuda else t):
+            bf16 = is_cuda or cpu_features.has_native_bf16_matmul()
+            packed = None if is_cuda else packed_rate(64 if quick else 512, reps, warmup)
             row = {
                 "threads": t,
                 "copy_dram_gb_s": copy_bandwidth(dram, device, reps, warmup) / 1e9,
                 "copy_cache_gb_s": copy_bandwidth(cache, device, reps * 4, warmup) / 1e9,
                 "matmul_f32_tflop_s": matmul_rate(mm_n, torch.float32, device, reps, warmup) / 1e12,
-                "matmul_bf16_tflop_s": matmul_rate(mm_n, torch.bfloat16, device, reps, warmup) / 1e12,
+                "matmul_bf16_tflop_s": matmul_rate(mm_n, torch.bfloat16, device, reps, warmup) / 1e12 if bf16 else None,
+                "matmul_packed_tflop_s": None if packed is None else packed / 1e12,
             }
         results.append(row)
         if log:
@@ -161,10 +192,15 @@ def run_probe(
 
 
 def format_row(row: dict[str, Any]) -> str:
+    def rate(key: str) -> str:
+        value = row.get(key)
+        return "      -" if value is None else f"{value:7.3f}"
+
     return (
         f"threads={row['threads']:>3}  copy(DRAM) {row['copy_dram_gb_s']:7.2f} GB/s  "
         f"copy(cache) {row['copy_cache_gb_s']:7.2f} GB/s  "
-        f"matmul f32 {row['matmul_f32_tflop_s']:7.3f} TFLOP/s  bf16 {row['matmul_bf16_tflop_s']:7.3f} TFLOP/s"
+        f"matmul f32 {rate('matmul_f32_tflop_s')}  bf16 {rate('matmul_bf16_tflop_s')}  "
+        f"packed {rate('matmul_packed_tflop_s')} TFLOP/s"
     )
 
 
@@ -199,8 +235,10 @@ def bandwidth_bytes_per_s(probe: dict[str, Any], threads: int | None = None, cac
     return row["copy_cache_gb_s" if cache else "copy_dram_gb_s"] * 1e9
 
 
-def matmul_flop_per_s(probe: dict[str, Any], dtype: str = "bf16", threads: int | None = None) -> float:
-    """Matmul rate in FLOP/s for dtype "bf16" or "f32"."""
-    key = {"bf16": "matmul_bf16_tflop_s", "bfloat16": "matmul_bf16_tflop_s",
-           "f32": "matmul_f32_tflop_s", "float32": "matmul_f32_tflop_s"}[dtype]
-    return _row_for(probe, threads)[key] * 1e12
+def matmul_flop_per_s(probe: dict[str, Any], dtype: str = "bf16", threads: int | None = None) -> float | None:
+    """Matmul rate in FLOP/s for "bf16", "f32" or "packed" (kvflow's integer kernel); None where the probe
+    did not time it (bfloat16 where it is not native)."""
+    key = {"bf16": "matmul_bf16_tflop_s", "bfloat16": "matmul_bf16_tflop_s", "f32": "matmul_f32_tflop_s",
+           "float32": "matmul_f32_tflop_s", "packed": "matmul_packed_tflop_s"}[dtype]
+    value = _row_for(probe, threads).get(key)
+    return None if value is None else value * 1e12

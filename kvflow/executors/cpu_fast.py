@@ -27,7 +27,7 @@ class CpuFastExecutor(LayersExecutor):
         # Prompt chunks' attention on AMX tiles (csrc/prefill_attention_amx.cpp takes head sizes 64 and 128).
         head_dim = loaded.arch.head_dim
         self.prompt_tiles = (loaded.plan.cpu_tier == "amx" and head_dim in (64, 128)
-                             and abi.native() is not None and abi.native().kvflow_packed_matmul_level() == 2)
+                             and abi.native() is not None and abi.native().kvflow_packed_matmul_path() == 5)
         self._matmul = abi.KvflowDenseMatmul(self._dense_matmul)  # kept alive: C holds its address
         self._dense_io: list | None = None  # this step's (inputs, outputs) per projection, for the callback
         self._callback_error: BaseException | None = None

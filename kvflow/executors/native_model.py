@@ -38,7 +38,7 @@ def reason_unsupported(model: nn.Module) -> str | None:
     if abi.native() is None:
         return "no C++ compiler for the CPU kernels"
     if not packed_matmul.available():
-        return "this CPU or build has no packed-matmul kernel (it needs AVX512-VNNI)"
+        return "the packed-matmul kernel is not available"
     if not hasattr(model, "layers") or not hasattr(model, "rotary"):
         return "not a Llama-family decoder"
     if model.arch.hidden_act != "silu":

@@ -22,6 +22,7 @@ import torch
 from kvflow.config import ModelConfig
 from kvflow.errors import ModelLoadError
 from kvflow.executors.compile import COMPILE_MODES
+from kvflow.executors.measured import bf16_copies_pay
 from kvflow.kernels import cpu_features
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -37,7 +38,7 @@ class ExecutionPlan:
     quantization: str | None  # "gguf", "int8", "int4" or None (float weights)
     kv_cache_dtype: torch.dtype  # what kv_cache_dtype="auto" means
     compile: str  # auto | on | off (auto: where the native decoder cannot run, in the fast CPU mode)
-    bf16_copies: bool  # many-row matmuls on bfloat16 copies of the weights (native bfloat16 only)
+    bf16_copies: bool  # many-row matmuls on bfloat16 copies of the weights (where they pay: executors/measured)
     cpu_tier: str  # the kernel tier (kernels/cpu_features): generic, avx2, avx512, amx
     fast_cpu: bool  # the fast mode's CPU defaults (dtype auto on CPU)
 
@@ -125,6 +126,6 @@ def plan_execution(config: ModelConfig, model_kind: str, model_dtype: str | None
     return ExecutionPlan(
         device=device, mode=mode, dtype=dtype, quantization=quantization, kv_cache_dtype=kv_dtype,
         compile=config.compile if fast_cpu else ("on" if config.compile == "on" else "off"),
-        bf16_copies=fast_cpu and cpu_features.has_native_bf16_matmul(), cpu_tier=cpu_features.isa_tier(),
+        bf16_copies=fast_cpu and bf16_copies_pay(), cpu_tier=cpu_features.isa_tier(),
         fast_cpu=fast_cpu,
     )

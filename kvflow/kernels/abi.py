@@ -134,9 +134,10 @@ def bind(lib: ctypes.CDLL) -> SimpleNamespace:
 
 
 @functools.cache
-def native() -> SimpleNamespace | None:
-    """The built kernel library's functions (kernels/build), or None where it cannot be built."""
-    from kvflow.kernels import build
+def native(tier: str | None = None) -> SimpleNamespace | None:
+    """The kernel library's functions for a CPU tier (default: the one in use, kernels/cpu_features), or
+    None where it cannot be built (kernels/build)."""
+    from kvflow.kernels import build, cpu_features
 
-    lib = build.load()
+    lib = build.load(tier or cpu_features.isa_tier())
     return None if lib is None else bind(lib)

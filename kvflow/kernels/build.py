@@ -1,10 +1,13 @@
-"""Build and load kvflow's C++ CPU kernels: compiled once per machine, cached, loaded through ctypes
-(kernels/abi gives the loaded library its signatures, from csrc/kvflow_cpu.h).
+"""Build and load kvflow's C++ CPU kernels: one library per CPU tier, compiled on first use, cached, loaded
+through ctypes (kernels/abi gives it its signatures, from csrc/kvflow_cpu.h).
 
-The sources are plain C++ with an `extern "C"` interface and no PyTorch headers, so a build takes a
-second or two rather than the half minute a torch extension needs. They use OpenMP; the process already
-holds PyTorch's libgomp, and the library's libgomp.so.1 dependency resolves to that one copy, so both
-share one thread pool. Without a C++ compiler, `load()` returns None and callers use PyTorch ops.
+The sources are plain C++ with an `extern "C"` interface and no PyTorch headers, so a build takes a few
+seconds rather than the half minute a torch extension needs. Each tier (kernels/cpu_features) is built
+with exactly its instruction sets, never -march=native, so a lower tier forced with KVFLOW_ISA runs the
+code that CPUs of that tier run. They use OpenMP; the process already holds PyTorch's libgomp, and the
+library's libgomp.so.1 dependency resolves to that one copy, so both share one thread pool. Without
+OpenMP (`openmp=False`, or a compiler without it) the kernels thread through csrc/threads.h's pool.
+Without a C++ compiler, `load()` returns None and callers use PyTorch ops.
 """
 
 from __future__ import annotations
@@ -20,12 +23,36 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from kvflow.kernels import cpu_features
+
 log = logging.getLogger("kvflow")
 
+CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("tuning.cpp", "paged_attention.cpp", "packed_matmul.cpp", "packed_exact.cpp", "decoder_forward.cpp",
            "prefill_attention_amx.cpp")
-HEADERS = ("kvflow_cpu.h", "tuning.h", "attention_rows.h", "packed_amx.h", "vector_exp.h", "row_ops.h", "amx_tiles.h")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-Wno-maybe-uninitialized")
+COMMON_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-Wno-maybe-uninitialized")
+
+_X86_AVX2 = ("-mavx", "-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2", "-mpopcnt")
+_X86_AVX512 = _X86_AVX2 + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512cd", "-mavx512vnni")
+_X86_AMX = _X86_AVX512 + ("-mavx512bf16", "-mamx-tile", "-mamx-int8", "-mamx-bf16")
+
+
+def tier_flags(tier: str, machine: str | None = None, flags: frozenset[str] | None = None) -> tuple[str, ...]:
+    """The instruction-set flags of a tier, for this machine's architecture (or `machine`, e.g. aarch64)."""
+    machine = machine or platform.machine()
+    flags = cpu_features.cpu_flags() if flags is None else flags
+    if machine in ("aarch64", "arm64"):
+        if tier == "neon":
+            return ("-march=armv8.2-a+dotprod",) if "asimddp" in flags else ("-march=armv8-a",)
+        return ("-march=armv8-a",)
+    base = ("-march=x86-64",)
+    if tier == "avx2":
+        return base + _X86_AVX2
+    if tier == "avx512":  # AVX512-BF16 where the CPU has it: the dense path's bfloat16 conversions
+        return base + _X86_AVX512 + (("-mavx512bf16",) if "avx512_bf16" in flags else ())
+    if tier == "amx":
+        return base + _X86_AMX
+    return base
 
 
 def cache_dir() -> Path:
@@ -40,45 +67,43 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++"))
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("model name", "flags"))), "")
-    except OSError:
-        return platform.processor()
+def compile_flags(tier: str, openmp: bool = True) -> tuple[str, ...]:
+    threading = ("-fopenmp",) if openmp else ("-DKVFLOW_NO_OPENMP", "-pthread")
+    return (*COMMON_FLAGS, *tier_flags(tier), *threading)
 
 
-def _library_path(cxx: str) -> Path:
-    src = Path(__file__).parent / "csrc"
+def _library_path(cxx: str, tier: str, openmp: bool) -> Path:
     digest = hashlib.sha256()
-    for name in (*SOURCES, *HEADERS):
-        digest.update((src / name).read_bytes())
-    # -march=native code is only right for this CPU and compiler.
-    digest.update(" ".join((cxx, *FLAGS, _cpu_name())).encode())
-    return cache_dir() / f"libkvflow_cpu-{digest.hexdigest()[:16]}.so"
+    for path in sorted(CSRC.iterdir()):  # every source and header, so none is forgotten
+        digest.update(path.name.encode() + path.read_bytes())
+    digest.update(" ".join((cxx, *compile_flags(tier, openmp), platform.machine())).encode())
+    suffix = "" if openmp else "-threads"
+    return cache_dir() / f"libkvflow_cpu-{tier}{suffix}-{digest.hexdigest()[:16]}.so"
 
 
-def build(cxx: str) -> Path:
-    target = _library_path(cxx)
+def build(cxx: str, tier: str, openmp: bool = True) -> Path:
+    target = _library_path(cxx, tier, openmp)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    sources = [str(Path(__file__).parent / "csrc" / name) for name in SOURCES]
+    sources = [str(CSRC / name) for name in SOURCES]
     # Build beside the target and rename: concurrent processes never load a half-written file.
     with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
         partial = Path(tmp.name)
     try:
-        subprocess.run([cxx, *FLAGS, *sources, "-o", str(partial)], check=True, capture_output=True, text=True)
+        subprocess.run([cxx, *compile_flags(tier, openmp), *sources, "-o", str(partial)], check=True,
+                       capture_output=True, text=True)
         partial.replace(target)
     finally:
         partial.unlink(missing_ok=True)
-    log.info("built CPU kernels: %s", target)
+    log.info("built CPU kernels (%s tier): %s", tier, target)
     return target
 
 
 @functools.cache
-def load() -> ctypes.CDLL | None:
-    """The kernel library, or None where it cannot be built (no compiler, KVFLOW_CPU_KERNELS=0)."""
+def load(tier: str | None = None, openmp: bool = True) -> ctypes.CDLL | None:
+    """The kernel library of a tier (default: the one this CPU runs, kernels/cpu_features.isa_tier), or
+    None where it cannot be built (no compiler, KVFLOW_CPU_KERNELS=0)."""
     if os.environ.get("KVFLOW_CPU_KERNELS", "1") == "0":
         return None
     cxx = compiler()
@@ -87,8 +112,9 @@ def load() -> ctypes.CDLL | None:
         return None
     import torch  # noqa: F401 - PyTorch's libgomp must be loaded first, so the library shares it
 
+    tier = tier or cpu_features.isa_tier()
     try:
-        return ctypes.CDLL(str(build(cxx)))
+        return ctypes.CDLL(str(build(cxx, tier, openmp)))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or str(exc)
         log.warning("CPU kernels failed to build, using PyTorch ops instead: %s", detail.strip()[:500])

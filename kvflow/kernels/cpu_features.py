@@ -1,8 +1,10 @@
 """What this CPU can run, read once from /proc/cpuinfo: its feature flags and the kernel tier they allow.
 
-Tiers, lowest first: generic (no vector kernels), avx2 (AVX2 + FMA + F16C), avx512 (AVX-512 F/BW/VL with
-VNNI), amx (AVX-512 plus AMX int8 and bf16 tiles). `KVFLOW_ISA=<tier>` forces a lower tier than the
-machine's, so every tier below it can be tested and measured on one machine; a higher one is refused.
+Tiers, lowest first. x86: generic (plain C++), avx2 (AVX2 + FMA + F16C), avx512 (AVX-512 F/BW/VL with
+VNNI), amx (AVX-512 plus AMX int8 and bf16 tiles). ARM (aarch64): generic, neon (Advanced SIMD; its
+packed dot products use `vdotq_s32` where the dotprod extension is there). `KVFLOW_ISA=<tier>` forces a
+lower tier than the machine's, so every tier below it can be tested and measured on one machine; a
+higher one is refused. kernels/build compiles one library per tier, with exactly that tier's flags.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ import functools
 import os
 import platform
 
-TIERS = ("generic", "avx2", "avx512", "amx")
+X86_TIERS = ("generic", "avx2", "avx512", "amx")
+ARM_TIERS = ("generic", "neon")
 _NEEDS = {
+    "neon": {"asimd"},
     "avx2": {"avx2", "fma", "f16c"},
     "avx512": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"},
     "amx": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_int8", "amx_bf16",
@@ -45,14 +49,25 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def tiers(machine: str | None = None) -> tuple[str, ...]:
+    """This architecture's tiers, lowest first."""
+    return ARM_TIERS if (machine or platform.machine()) in ("aarch64", "arm64") else X86_TIERS
+
+
 def machine_tier(flags: frozenset[str] | None = None) -> str:
     """The highest tier these flags allow."""
     flags = cpu_flags() if flags is None else flags
     best = "generic"
-    for tier in TIERS[1:]:
+    for tier in tiers()[1:]:
         if _NEEDS[tier] <= flags:
             best = tier
     return best
+
+
+def runnable_tiers() -> tuple[str, ...]:
+    """Every tier this CPU can run: its own and each one below."""
+    all_tiers = tiers()
+    return all_tiers[: all_tiers.index(machine_tier()) + 1]
 
 
 @functools.cache
@@ -62,14 +77,15 @@ def isa_tier() -> str:
     forced = os.environ.get("KVFLOW_ISA", "").strip().lower()
     if not forced:
         return machine
-    if forced not in TIERS:
-        raise ValueError(f"KVFLOW_ISA={forced!r} is not a tier; use one of {', '.join(TIERS)}")
-    if TIERS.index(forced) > TIERS.index(machine):
+    if forced not in tiers():
+        raise ValueError(f"KVFLOW_ISA={forced!r} is not a tier here; use one of {', '.join(tiers())}")
+    if tiers().index(forced) > tiers().index(machine):
         raise ValueError(f"KVFLOW_ISA={forced} asks for more than this CPU has (its tier is {machine})")
     return forced
 
 
 def has_native_bf16_matmul() -> bool:
-    """Whether a bfloat16 matmul runs on bfloat16 hardware here (AMX tiles) rather than being emulated or
-    converted. Only then do the fast mode's bfloat16 weight copies pay for their memory."""
-    return isa_tier() == "amx"
+    """Whether a bfloat16 matmul runs on bfloat16 hardware at the tier in use: AMX tiles, or AVX512-BF16's
+    dot products. Elsewhere PyTorch emulates it (about 200 times slower than float32 on an AVX2 CPU)."""
+    tier = isa_tier()
+    return tier == "amx" or (tier == "avx512" and "avx512_bf16" in cpu_flags())

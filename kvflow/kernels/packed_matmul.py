@@ -124,11 +124,19 @@ def dequantize(pw: PackedWeight, rows: torch.Tensor | None = None) -> torch.Tens
     return w.view(q.shape[0], pw.k)
 
 
+PATHS = {1: "plain C++", 2: "AVX2", 3: "NEON dotprod", 4: "AVX512-VNNI", 5: "AVX512-VNNI and AMX int8 tiles"}
+
+
 @functools.cache
 def available() -> bool:
-    """Whether the kernel runs here: a compiler, and a build with AVX512-VNNI."""
+    """Whether the kernel runs here: the kernel library builds (a C++ compiler), on any CPU tier."""
+    return abi.native() is not None
+
+
+def path() -> str | None:
+    """Which implementation runs on this CPU tier (PATHS), or None without the kernels."""
     native = abi.native()
-    return native is not None and native.kvflow_packed_matmul_level() > 0
+    return None if native is None else PATHS[native.kvflow_packed_matmul_path()]
 
 
 def refine_top(x: torch.Tensor, pw: PackedWeight, y: torch.Tensor, block_abs_sum: torch.Tensor) -> int:
@@ -165,5 +173,5 @@ def matmul(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None) -
                                            m=x.shape[0], y=y.data_ptr(), y_stride=y.stride(0),
                                            num_threads=torch.get_num_threads())
     if rc != 0:
-        raise RuntimeError("the packed matmul kernel cannot run on this CPU (it needs AVX512-VNNI)")
+        raise RuntimeError("the packed matmul kernel refused the weight (k must be a multiple of 32, 4 or 8 bits)")
     return y

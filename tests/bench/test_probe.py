@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvflow.bench import probe
+from kvflow.kernels import cpu_features, packed_matmul
 
 
 def test_quick_probe_measures_positive_rates_and_restores_threads(tmp_path):
@@ -21,8 +22,23 @@ def test_quick_probe_measures_positive_rates_and_restores_threads(tmp_path):
     # Loose sanity bounds: any machine moves more than 0.1 GB/s and less than 10 TB/s.
     for key in ("copy_dram_gb_s", "copy_cache_gb_s"):
         assert 0.1 < row[key] < 10_000
-    for key in ("matmul_f32_tflop_s", "matmul_bf16_tflop_s"):
-        assert 1e-5 < row[key] < 10_000
+    assert info["cpu_tier"] == cpu_features.isa_tier()
+    assert 1e-5 < row["matmul_f32_tflop_s"] < 10_000
+    for key in ("matmul_bf16_tflop_s", "matmul_packed_tflop_s"):  # timed only where the engine uses them
+        assert row[key] is None or 1e-5 < row[key] < 10_000
+    assert (row["matmul_bf16_tflop_s"] is None) == (not cpu_features.has_native_bf16_matmul())
+    assert (row["matmul_packed_tflop_s"] is None) == (not packed_matmul.available())
+
+
+def test_probe_times_no_emulated_bfloat16(monkeypatch):
+    """The quick path on a CPU without native bfloat16 (forced here): no bfloat16 matmul is timed at all,
+    which on such a CPU would take a minute per 2048^3 product."""
+    monkeypatch.setattr(cpu_features, "has_native_bf16_matmul", lambda: False)
+    timed = []
+    real = probe.matmul_rate
+    monkeypatch.setattr(probe, "matmul_rate", lambda n, dtype, *a, **k: timed.append(dtype) or real(n, dtype, *a, **k))
+    (row,) = probe.run_probe(threads=[1], quick=True)["results"]
+    assert timed == [torch.float32] and row["matmul_bf16_tflop_s"] is None
 
 
 def test_copy_bandwidth_counts_read_and_write(monkeypatch):

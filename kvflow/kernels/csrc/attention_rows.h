@@ -1,6 +1,7 @@
 // The arithmetic of paged attention over one chunk of positions: dot products over a head, the
 // softmax of a chunk, and the weighted sum of values, for one-token queries (all query heads of a KV
-// head together) and for runs of prompt rows. Included by paged_attention.cpp only.
+// head together) and for runs of prompt rows. Written once against csrc/simd.h (every tier); included
+// by paged_attention.cpp only.
 #pragma once
 
 #include <cmath>
@@ -10,13 +11,11 @@
 #include <vector>
 
 #include "row_ops.h"
-
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace kvflow::attention {
 
+namespace v = kvflow::simd;
 
 // Positions per work item. A row's split depends on its own context only, so its result does too (not
 // on the batch or the thread count). Long contexts take longer chunks: half the partial results to
@@ -29,89 +28,35 @@ constexpr int kRowBlock = 16;  // consecutive query rows of one sequence per wor
 // stride apart, a pattern the hardware prefetcher follows poorly; without this the kernel waits on
 // memory at depth.
 constexpr int kPrefetchAhead = 16;
+constexpr int W = v::kLanes;
 
-
-using kvflow::bf16_to_float;
-using kvflow::largest;
-using kvflow::float_to_bf16;
-#ifdef __AVX512F__
-using kvflow::store16f;
-#endif
-
-// Dot products and row updates over head_dim values, float32 or bfloat16 storage. With AVX-512 the
-// sum of a dot product is a tree over vector lanes; a plain loop would make the compiler add the 16
-// lanes one after another (it may not reassociate float adds), which costs more than the multiplies.
-#ifdef __AVX512F__
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-inline __m512 load16(const _Float16* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-#endif
-
-inline float widen(float x) { return x; }
-inline float widen(uint16_t x) { return bf16_to_float(x); }
-inline float widen(_Float16 x) { return static_cast<float>(x); }
-
+// Dot products and row updates over head_dim values, in any storage type. A vector dot product sums as
+// a tree over lanes; a plain loop would make the compiler add lanes one after another (it may not
+// reassociate float adds), which costs more than the multiplies.
 template <typename T>
 inline float dot(const float* q, const T* k, int d) {
-#ifdef __AVX512F__
-  if (d % 16 == 0) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int i = 0; i < d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(k + i), acc);
-    return _mm512_reduce_add_ps(acc);
-  }
-#endif
-  float total = 0.f;
-  for (int i = 0; i < d; ++i) total += q[i] * widen(k[i]);
-  return total;
+  return v::dot(q, k, d);
 }
 
 template <typename T>
-inline void add_scaled(float* acc, float w, const T* v, int d) {  // acc += w * v
-#ifdef __AVX512F__
-  if (d % 16 == 0) {
-    const __m512 wv = _mm512_set1_ps(w);
-    for (int i = 0; i < d; i += 16)
-      _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(wv, load16(v + i), _mm512_loadu_ps(acc + i)));
-    return;
-  }
-#endif
-  for (int i = 0; i < d; ++i) acc[i] += w * widen(v[i]);
+inline void add_scaled(float* acc, float w, const T* x, int d) {  // acc += w * x
+  int i = 0;
+  const v::vf wv = v::set1(w);
+  for (; i + W <= d; i += W) v::store(acc + i, v::fmadd(wv, v::load(x + i), v::load(acc + i)));
+  for (; i < d; ++i) acc[i] += w * widen(x[i]);
 }
 
+// New K/V rows into the cache, rounded to nearest even (a vector at a time: a scalar float16 conversion
+// is a library call per value on x86).
 template <typename T>
-inline void store_row(const float* src, T* dst, int d);
-
-template <>
-inline void store_row<float>(const float* src, float* dst, int d) {
-  std::memcpy(dst, src, sizeof(float) * d);
-}
-
-// The narrow stores round to nearest even, 16 at a time where AVX-512 runs (a scalar float16
-// conversion is a library call per value).
-template <>
-inline void store_row<uint16_t>(const float* src, uint16_t* dst, int d) {
-  int i = 0;
-#ifdef __AVX512F__
-  for (; i + 16 <= d; i += 16) store16f(dst + i, _mm512_loadu_ps(src + i));
-#endif
-  for (; i < d; ++i) dst[i] = float_to_bf16(src[i]);
-}
-
-template <>
-inline void store_row<_Float16>(const float* src, _Float16* dst, int d) {
-  int i = 0;
-#ifdef __AVX512F__
-  for (; i + 16 <= d; i += 16) {
-    const __m256i h = _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), h);
+inline void store_row(const float* src, T* dst, int d) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, src, sizeof(float) * d);
+  } else {
+    int i = 0;
+    for (; i + W <= d; i += W) v::store(dst + i, v::load(src + i));
+    for (; i < d; ++i) narrow(src[i], dst + i);
   }
-#endif
-  for (; i < d; ++i) dst[i] = static_cast<_Float16>(src[i]);
 }
 
 struct Shape {
@@ -123,17 +68,14 @@ struct Shape {
 // exp(x[i] - m) in place, returning the sum. Inputs are <= 0 after subtracting the max.
 inline float exp_shifted_sum(float* x, int n, float m) {
   int i = 0;
-  float total = 0.f;
-#ifdef __AVX512F__
-  const __m512 mv = _mm512_set1_ps(m);
-  __m512 acc = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), mv));
-    _mm512_storeu_ps(x + i, e);
-    acc = _mm512_add_ps(acc, e);
+  const v::vf mv = v::set1(m);
+  v::vf acc = v::zero();
+  for (; i + W <= n; i += W) {
+    const v::vf e = v::exp(v::sub(v::load(x + i), mv));
+    v::store(x + i, e);
+    acc = v::add(acc, e);
   }
-  total = _mm512_reduce_add_ps(acc);
-#endif
+  float total = v::reduce_add(acc);
   for (; i < n; ++i) {
     x[i] = std::exp(x[i] - m);
     total += x[i];
@@ -186,40 +128,27 @@ void attend_chunk(const float* q, const T* k_cache, const T* v_cache, const int3
   }
 }
 
-#ifdef __AVX512F__
-// Sums of four vectors' lanes, as one 4-float vector: three shuffle-and-add levels instead of four
-// separate horizontal reductions.
-inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-  const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
-  const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
-  const __m512d d0 = _mm512_castps_pd(t0), d1 = _mm512_castps_pd(t1);
-  const __m512 t2 = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(d0, d1)),
-                                  _mm512_castpd_ps(_mm512_unpackhi_pd(d0, d1)));
-  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(t2), _mm512_extractf32x8_ps(t2, 1));
-  return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
-}
-
 // exp_shifted_sum for up to 4 heads' scores (kMaxChunk apart) at once: their exps are independent, so
 // they overlap where one head's polynomial chain alone leaves the vector units waiting. Each head's
 // result is bitwise what exp_shifted_sum gives.
 inline void group_softmax_parts(float* sc, int heads, int n, float* max_out, float* sum_out) {
-  __m512 mv[4], acc[4];
+  v::vf mv[4], acc[4];
   for (int j = 0; j < heads; ++j) {
     max_out[j] = largest(sc + j * kMaxChunk, n);
-    mv[j] = _mm512_set1_ps(max_out[j]);
-    acc[j] = _mm512_setzero_ps();
+    mv[j] = v::set1(max_out[j]);
+    acc[j] = v::zero();
   }
   int i = 0;
-  for (; i + 16 <= n; i += 16)
+  for (; i + W <= n; i += W)
     for (int j = 0; j < heads; ++j) {
       float* x = sc + j * kMaxChunk + i;
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x), mv[j]));
-      _mm512_storeu_ps(x, e);
-      acc[j] = _mm512_add_ps(acc[j], e);
+      const v::vf e = v::exp(v::sub(v::load(x), mv[j]));
+      v::store(x, e);
+      acc[j] = v::add(acc[j], e);
     }
   for (int j = 0; j < heads; ++j) {
     float* x = sc + j * kMaxChunk;
-    float total = _mm512_reduce_add_ps(acc[j]);
+    float total = v::reduce_add(acc[j]);
     for (int t = i; t < n; ++t) {
       x[t] = std::exp(x[t] - max_out[j]);
       total += x[t];
@@ -228,40 +157,47 @@ inline void group_softmax_parts(float* sc, int heads, int n, float* max_out, flo
   }
 }
 
+// How the fixed-size path blocks a head of D values for this tier's registers: P positions scored
+// together (P * D / W widened K vectors), and J heads' accumulators per pass over V (J * D / W of them,
+// plus D / W widened values).
+template <int D>
+struct Blocking {
+  static constexpr int V = D / W;
+  static constexpr int P = V * 4 <= v::kRegisters / 2 ? 4 : (V * 2 <= v::kRegisters / 2 ? 2 : 1);
+  static constexpr int J = (V * 5 <= v::kRegisters) ? 4 : ((V * 3 <= v::kRegisters) ? 2 : 1);
+};
+
 // Softmax-weighted V rows for the J query heads j0.. of one KV head: each V row is read and widened once
-// for all J heads, and the J * D / 16 accumulators stay in registers.
+// for all J heads, and the J * D / W accumulators stay in registers.
 template <typename T, int D, int J>
 inline void weighted_values(const T* v_head, const int64_t* offsets, int n, const float* sc, float* acc_out) {
-  constexpr int V = D / 16;
-  __m512 acc[J][V];
+  constexpr int V = D / W;
+  v::vf acc[J][V];
   for (int j = 0; j < J; ++j)
-    for (int v = 0; v < V; ++v) acc[j][v] = _mm512_setzero_ps();
+    for (int k = 0; k < V; ++k) acc[j][k] = v::zero();
   for (int i = 0; i < n; ++i) {
     const T* row = v_head + offsets[i];
-    __m512 x[V];
-    for (int v = 0; v < V; ++v) x[v] = load16(row + 16 * v);
+    v::vf x[V];
+    for (int k = 0; k < V; ++k) x[k] = v::load(row + W * k);
     for (int j = 0; j < J; ++j) {
-      const __m512 w = _mm512_set1_ps(sc[j * kMaxChunk + i]);
-      for (int v = 0; v < V; ++v) acc[j][v] = _mm512_fmadd_ps(w, x[v], acc[j][v]);
+      const v::vf w = v::set1(sc[j * kMaxChunk + i]);
+      for (int k = 0; k < V; ++k) acc[j][k] = v::fmadd(w, x[k], acc[j][k]);
     }
   }
   for (int j = 0; j < J; ++j)
-    for (int v = 0; v < V; ++v) _mm512_storeu_ps(acc_out + j * D + 16 * v, acc[j][v]);
+    for (int k = 0; k < V; ++k) v::store(acc_out + j * D + W * k, acc[j][k]);
 }
 
 // attend_chunk for a head size known at compile time (64, 128), one KV head: its K rows are widened
 // once and scored against every query head of its group (P positions at a time: independent FMA chains
-// and one shuffle reduction), then each V row once for up to kHeadsPerPass heads. offsets[0, n) locate
-// the chunk's positions (chunk_offsets); q, max_out, sum_out and acc_out are the row's, for all heads.
+// and one shuffle reduction), then each V row once for up to J heads. offsets[0, n) locate the chunk's
+// positions (chunk_offsets); q, max_out, sum_out and acc_out are the row's, for all heads.
 template <typename T, int D>
 void attend_kv_head(const float* q, const T* k_cache, const T* v_cache, const int64_t* offsets, int n, int kv,
                     const Shape& s, float* scores, float* max_out, float* sum_out, float* acc_out) {
-  constexpr int V = D / 16;
-  constexpr int P = D == 64 ? 4 : 2;                // positions scored together: P * V widened rows in registers
-  constexpr int kHeadsPerPass = D == 64 ? 4 : 2;    // J * V accumulators + V widened values in registers
+  using B = Blocking<D>;
+  constexpr int V = B::V, P = B::P, J = B::J;
   const int g = s.group;
-  const __m128 scale4 = _mm_set1_ps(s.scale);
-  const __m512 zero = _mm512_setzero_ps();
   const T* k_head = k_cache + kv * D;
   const T* v_head = v_cache + kv * D;
   const float* q_group = q + static_cast<int64_t>(kv) * g * D;
@@ -275,84 +211,82 @@ void attend_kv_head(const float* q, const T* k_cache, const T* v_cache, const in
         const char* k_next = reinterpret_cast<const char*>(k_head + offsets[ahead]);
         const char* v_row = reinterpret_cast<const char*>(v_head + offsets[p + i]);
         for (int line = 0; line < kLines; ++line) {
-          _mm_prefetch(k_next + 64 * line, _MM_HINT_T0);
-          _mm_prefetch(v_row + 64 * line, _MM_HINT_T0);
+          __builtin_prefetch(k_next + 64 * line, 0, 3);
+          __builtin_prefetch(v_row + 64 * line, 0, 3);
         }
       }
     }
-    __m512 k[P][V];
+    v::vf k[P][V];
     for (int i = 0; i < P; ++i)
-      for (int v = 0; v < V; ++v) k[i][v] = load16(k_head + offsets[p + i] + 16 * v);
+      for (int c = 0; c < V; ++c) k[i][c] = v::load(k_head + offsets[p + i] + W * c);
     for (int j = 0; j < g; ++j) {
       const float* qj = q_group + j * D;
-      __m512 a[P];
+      v::vf a[4];
       for (int i = 0; i < P; ++i) {
-        a[i] = _mm512_mul_ps(_mm512_loadu_ps(qj), k[i][0]);
-        for (int v = 1; v < V; ++v) a[i] = _mm512_fmadd_ps(_mm512_loadu_ps(qj + 16 * v), k[i][v], a[i]);
+        a[i] = v::mul(v::load(qj), k[i][0]);
+        for (int c = 1; c < V; ++c) a[i] = v::fmadd(v::load(qj + W * c), k[i][c], a[i]);
       }
+      for (int i = P; i < 4; ++i) a[i] = v::zero();
+      float sums[4];
+      v::reduce4(a[0], a[1], a[2], a[3], sums);
       float* sc = sc_group + j * kMaxChunk + p;
-      if constexpr (P == 4) {
-        _mm_storeu_ps(sc, _mm_mul_ps(reduce4(a[0], a[1], a[2], a[3]), scale4));
-      } else {
-        _mm_storel_pi(reinterpret_cast<__m64*>(sc), _mm_mul_ps(reduce4(a[0], a[1], zero, zero), scale4));
-      }
+      for (int i = 0; i < P; ++i) sc[i] = sums[i] * s.scale;
     }
   }
   for (; p < n; ++p) {
     const T* k = k_head + offsets[p];
     for (int j = 0; j < g; ++j) {
       const float* qj = q_group + j * D;
-      __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qj), load16(k));
-      for (int v = 1; v < V; ++v) a = _mm512_fmadd_ps(_mm512_loadu_ps(qj + 16 * v), load16(k + 16 * v), a);
-      sc_group[j * kMaxChunk + p] = _mm512_reduce_add_ps(a) * s.scale;
+      v::vf a = v::mul(v::load(qj), v::load(k));
+      for (int c = 1; c < V; ++c) a = v::fmadd(v::load(qj + W * c), v::load(k + W * c), a);
+      sc_group[j * kMaxChunk + p] = v::reduce_add(a) * s.scale;
     }
   }
   for (int j0 = 0; j0 < g; j0 += 4) {
     const int count = g - j0 < 4 ? g - j0 : 4;
     group_softmax_parts(sc_group + j0 * kMaxChunk, count, n, max_out + kv * g + j0, sum_out + kv * g + j0);
   }
-  for (int j0 = 0; j0 < g; j0 += kHeadsPerPass) {
+  for (int j0 = 0; j0 < g; j0 += J) {
     const float* sc = sc_group + j0 * kMaxChunk;
     float* out = acc_out + static_cast<int64_t>(kv * g + j0) * D;
-    switch (g - j0 < kHeadsPerPass ? g - j0 : kHeadsPerPass) {
+    switch (g - j0 < J ? g - j0 : J) {
       case 1: weighted_values<T, D, 1>(v_head, offsets, n, sc, out); break;
-      case 2: weighted_values<T, D, 2>(v_head, offsets, n, sc, out); break;
-      case 3: weighted_values<T, D, (kHeadsPerPass >= 3 ? 3 : 1)>(v_head, offsets, n, sc, out); break;
-      default: weighted_values<T, D, kHeadsPerPass>(v_head, offsets, n, sc, out); break;
+      case 2: weighted_values<T, D, (J >= 2 ? 2 : 1)>(v_head, offsets, n, sc, out); break;
+      case 3: weighted_values<T, D, (J >= 3 ? 3 : 1)>(v_head, offsets, n, sc, out); break;
+      default: weighted_values<T, D, J>(v_head, offsets, n, sc, out); break;
     }
   }
 }
-#endif
 
 // Consecutive rows of one sequence over one chunk of positions (a one-token query is a run of one): the
 // positions are located once, and per KV head the rows take turns while its K/V rows are still in cache
-// (L1, or L2 for larger heads). Each row runs the same code as alone (attend_kv_head; attend_chunk for
-// other head sizes or without AVX-512), so its result is bitwise the same. Rows whose context ends
-// before the chunk are skipped. part_at[i] is where row i's partial results go.
+// (L1, or L2 for larger heads). Each row runs the same code as alone (attend_kv_head for head sizes 64
+// and 128 on vector tiers; attend_chunk otherwise), so its result is bitwise the same. Rows whose context
+// ends before the chunk are skipped. part_at[i] is where row i's partial results go.
 template <typename T>
 void attend_rows(const float* const* q_rows, const int* contexts, const size_t* part_at, int count,
                  const T* k_cache, const T* v_cache, const int32_t* table, int lo, int len, const Shape& s,
                  float* scores, int64_t* offsets, float* part_max, float* part_sum, float* part_acc) {
   const int d = s.head_dim;
-#ifdef __AVX512F__
-  auto rows_with_kv_heads = [&](auto head_dim) {
-    constexpr int D = decltype(head_dim)::value;
-    int longest = 0;
-    for (int i = 0; i < count; ++i) longest = contexts[i] > longest ? contexts[i] : longest;
-    const int n_max = (longest < lo + len ? longest : lo + len) - lo;
-    chunk_offsets(table, lo, n_max, s.block_size, static_cast<int64_t>(s.num_kv_heads) * D, offsets);
-    for (int kv = 0; kv < s.num_kv_heads; ++kv)
-      for (int i = 0; i < count; ++i) {
-        if (contexts[i] <= lo) continue;
-        const int n = (contexts[i] < lo + len ? contexts[i] : lo + len) - lo;
-        const size_t at = part_at[i];
-        attend_kv_head<T, D>(q_rows[i], k_cache, v_cache, offsets, n, kv, s, scores, part_max + at, part_sum + at,
-                             part_acc + at * d);
-      }
-  };
-  if (d == 64) return rows_with_kv_heads(std::integral_constant<int, 64>());
-  if (d == 128) return rows_with_kv_heads(std::integral_constant<int, 128>());
-#endif
+  if constexpr (W >= 4) {
+    auto rows_with_kv_heads = [&](auto head_dim) {
+      constexpr int D = decltype(head_dim)::value;
+      int longest = 0;
+      for (int i = 0; i < count; ++i) longest = contexts[i] > longest ? contexts[i] : longest;
+      const int n_max = (longest < lo + len ? longest : lo + len) - lo;
+      chunk_offsets(table, lo, n_max, s.block_size, static_cast<int64_t>(s.num_kv_heads) * D, offsets);
+      for (int kv = 0; kv < s.num_kv_heads; ++kv)
+        for (int i = 0; i < count; ++i) {
+          if (contexts[i] <= lo) continue;
+          const int n = (contexts[i] < lo + len ? contexts[i] : lo + len) - lo;
+          const size_t at = part_at[i];
+          attend_kv_head<T, D>(q_rows[i], k_cache, v_cache, offsets, n, kv, s, scores, part_max + at,
+                               part_sum + at, part_acc + at * d);
+        }
+    };
+    if (d == 64) return rows_with_kv_heads(std::integral_constant<int, 64>());
+    if (d == 128) return rows_with_kv_heads(std::integral_constant<int, 128>());
+  }
   for (int i = 0; i < count; ++i) {
     if (contexts[i] <= lo) continue;
     const int hi = contexts[i] < lo + len ? contexts[i] : lo + len;
@@ -361,6 +295,5 @@ void attend_rows(const float* const* q_rows, const int* contexts, const size_t* 
                  part_acc + at * d);
   }
 }
-
 
 }  // namespace kvflow::attention

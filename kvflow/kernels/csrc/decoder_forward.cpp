@@ -19,6 +19,8 @@
 
 #include "kvflow_cpu.h"
 #include "row_ops.h"
+#include "simd.h"
+#include "threads.h"
 #include "tuning.h"
 
 namespace {
@@ -33,9 +35,11 @@ struct Shape {
 // f(r) for every row, on the thread team once there are enough rows to share (the result is the same).
 template <typename F>
 void each_row(int rows, int num_threads, F&& f) {
-  const bool team = num_threads > 1 && rows >= kvflow::tuning().parallel_min_rows;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (team)
-  for (int r = 0; r < rows; ++r) f(r);
+  if (num_threads <= 1 || rows < kvflow::tuning().parallel_min_rows) {
+    for (int r = 0; r < rows; ++r) f(r);
+    return;
+  }
+  kvflow::parallel(num_threads, [&](kvflow::Team& team) { team.for_static(rows, f); });
 }
 
 // One row's q/k/v after its matmul: widened to float32 (from a bfloat16 output), bias, per-head norms
@@ -60,21 +64,18 @@ void finish_qkv(const KvflowDecoder& m, const KvflowDecoderLayer& layer, const S
 // x[j] += widen(delta[j]) (no delta: x as is), then out[j] = x[j] * inv_rms(x) * weight[j].
 template <typename Delta, typename Out>
 void add_norm_row(float* x, const Delta* delta, const float* weight, int width, float eps, Out* out) {
+  namespace v = kvflow::simd;
+  constexpr int W = v::kLanes;
   if (delta) {
     int j = 0;
-#ifdef __AVX512F__
-    for (; j + 16 <= width; j += 16) _mm512_storeu_ps(x + j, _mm512_add_ps(_mm512_loadu_ps(x + j), kvflow::load16f(delta + j)));
-#endif
-    for (; j < width; ++j) x[j] += kvflow::load1f(delta + j);
+    for (; j + W <= width; j += W) v::store(x + j, v::add(v::load(x + j), v::load(delta + j)));
+    for (; j < width; ++j) x[j] += kvflow::widen(delta[j]);
   }
   const float inv = kvflow::rms_scale(x, width, eps);
   int j = 0;
-#ifdef __AVX512F__
-  const __m512 inv16 = _mm512_set1_ps(inv);
-  for (; j + 16 <= width; j += 16)
-    kvflow::store16f(out + j, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + j), inv16), _mm512_loadu_ps(weight + j)));
-#endif
-  for (; j < width; ++j) kvflow::store1f(out + j, x[j] * inv * weight[j]);
+  const v::vf inv_v = v::set1(inv);
+  for (; j + W <= width; j += W) v::store(out + j, v::mul(v::mul(v::load(x + j), inv_v), v::load(weight + j)));
+  for (; j < width; ++j) kvflow::narrow(x[j] * inv * weight[j], out + j);
 }
 
 struct Buffers {

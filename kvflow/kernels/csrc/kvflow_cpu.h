@@ -37,9 +37,9 @@ struct KvflowTuning {
 };
 void kvflow_set_tuning(const KvflowTuning* tuning);
 
-// Which of this library's kernels the CPU can run: 0 none (the build lacks AVX512-VNNI), 1 VNNI,
-// 2 VNNI and AMX (the process was granted the tile state).
-int32_t kvflow_packed_matmul_level(void);
+// Which implementation of the packed matmul this library runs: 1 plain C++, 2 AVX2, 3 NEON dotprod,
+// 4 AVX512-VNNI, 5 AVX512-VNNI with AMX int8 tiles (the process was granted the tile state).
+int32_t kvflow_packed_matmul_path(void);
 
 // y[m, n] = x[m, k] @ w^T, rows independent: a row's result is bitwise the same whatever m and the thread
 // count. x is quantized per block of 32 to 16-bit integers (see packed_matmul.cpp); sums are exact integers

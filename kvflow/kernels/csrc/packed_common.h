@@ -1,10 +1,13 @@
-// What every tier of the packed matmul shares: the layout's sizes, the rows' input digits, prefetching.
+// What every tier of the packed matmul shares: the layout's sizes, the rows' input digits, prefetching,
+// and the loop over column groups and rows. A tier supplies a Kernel (packed_vnni.h, packed_avx2.h,
+// packed_neon.h, packed_scalar.h) with quantize_row and rows_block<M>; all tiers compute the same exact
+// integer block sums and the same float epilogue, operation for operation, so their results are bitwise
+// equal.
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
-
-#include <xmmintrin.h>
 
 #include "kvflow_cpu.h"
 
@@ -12,13 +15,12 @@ namespace kvflow::packed {
 
 constexpr int kBlock = 32;
 constexpr int32_t kMaxInt = 32639;  // |x| <= this keeps the high digit h = (x + 128) >> 8 within a signed byte
-// How far ahead in each column group's bytes tile_group asks for weights: the hardware prefetcher alone
+// How far ahead in each column group's bytes a tile asks for weights: the hardware prefetcher alone
 // leaves a decode step's matrices well below DRAM bandwidth (figures: benchmarks/RESULTS.md, session 6).
 constexpr size_t kPrefetchBytes = 1280;
 
 inline void prefetch_ahead(const uint8_t* block, size_t bytes) {  // the bytes kPrefetchBytes past block
-  for (size_t line = 0; line < bytes; line += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchBytes + line), _MM_HINT_T0);
+  for (size_t line = 0; line < bytes; line += 64) __builtin_prefetch(block + kPrefetchBytes + line, 0, 3);
 }
 
 struct Rows {  // the rows' inputs as digits h, l (int8 [m, k]) and per block: scale and sum of the inputs
@@ -28,10 +30,60 @@ struct Rows {  // the rows' inputs as digits h, l (int8 [m, k]) and per block: s
   const float* scale;
   const float* sum;
   int64_t blocks;
+
+  Rows from(int r0) const {  // the rows from r0 on
+    return {hi + r0 * stride, lo + r0 * stride, stride, scale + r0 * blocks, sum + r0 * blocks, blocks};
+  }
 };
 
 inline size_t chunk_bytes(const KvflowPackedWeight& w) {
   return (w.bits == 4 ? 256 : 512) + (w.has_offset ? 64 : 32);
+}
+
+inline size_t code_bytes(const KvflowPackedWeight& w) { return w.bits == 4 ? 256 : 512; }
+
+// One row's inputs -> digits, per block of 32: s = max|x| / kMaxInt, x_int = round(x / s) (nearest even),
+// h = (x_int + 128) >> 8, l = x_int - 256 h. The vector tiers compute exactly this.
+inline void quantize_row_scalar(const float* x, int64_t k, int8_t* hi, int8_t* lo, float* scale, float* sum) {
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const float* xb = x + b * kBlock;
+    float amax = 0.f;
+    for (int i = 0; i < kBlock; ++i) amax = std::fabs(xb[i]) > amax ? std::fabs(xb[i]) : amax;
+    const float s = amax / kMaxInt;
+    const float inv = amax > 0.f ? kMaxInt / amax : 0.f;
+    int32_t total = 0;
+    for (int i = 0; i < kBlock; ++i) {
+      int32_t q = static_cast<int32_t>(std::nearbyint(xb[i] * inv));
+      q = q > kMaxInt ? kMaxInt : (q < -kMaxInt ? -kMaxInt : q);  // x / s can round past the bound by an ulp
+      const int32_t h = (q + 128) >= 0 ? (q + 128) / 256 : -((-(q + 128) + 255) / 256);  // floor division
+      hi[b * kBlock + i] = static_cast<int8_t>(h);
+      lo[b * kBlock + i] = static_cast<int8_t>(q - 256 * h);
+      total += q;
+    }
+    scale[b] = s;
+    sum[b] = s * static_cast<float>(total);
+  }
+}
+
+// Groups [g_lo, g_hi) for rows [0, m): a few groups at a time, and for each, all rows Kernel::kRows at a
+// time, so the groups' bytes come from memory once and stay in L1 for the later rows.
+template <typename Kernel>
+void run_groups(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, int m, float* y,
+                int64_t ys) {
+  constexpr int64_t kGroupsAtOnce = 4;
+  constexpr int R = Kernel::kRows;
+  for (int64_t g0 = g_lo; g0 < g_hi; g0 += kGroupsAtOnce) {
+    const int64_t g1 = g0 + kGroupsAtOnce < g_hi ? g0 + kGroupsAtOnce : g_hi;
+    for (int r0 = 0; r0 < m; r0 += R) {
+      const Rows part = rows.from(r0);
+      float* yr = y + r0 * ys;
+      const int left = m - r0 >= R ? R : m - r0;
+      if (left == 1) Kernel::template rows_block<1>(w, g0, g1, part, yr, ys);
+      else if (left == 2) Kernel::template rows_block<(R >= 2 ? 2 : 1)>(w, g0, g1, part, yr, ys);
+      else if (left == 3) Kernel::template rows_block<(R >= 3 ? 3 : 1)>(w, g0, g1, part, yr, ys);
+      else Kernel::template rows_block<R>(w, g0, g1, part, yr, ys);
+    }
+  }
 }
 
 }  // namespace kvflow::packed

@@ -6,10 +6,7 @@
 
 #include "kvflow_cpu.h"
 #include "row_ops.h"
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace {
 
@@ -71,19 +68,17 @@ extern "C" int32_t kvflow_packed_refine_top(const KvflowPackedWeight* w, const f
     }
     const float bound = spread / (2.f * kMaxIntValue) * 1.01f + 1e-6f * l1 * w_max;
     const float floor = kvflow::largest(yr, w->n) - 2.f * bound;
+    // A vector of outputs at a time: only one whose largest lane reaches the floor is looked into.
+    namespace v = kvflow::simd;
     int64_t j = 0;
-#ifdef __AVX512F__
-    const __m512 fv = _mm512_set1_ps(floor);
-    for (; j + 16 <= w->n; j += 16) {
-      __mmask16 near = _mm512_cmp_ps_mask(_mm512_loadu_ps(yr + j), fv, _CMP_GE_OQ);
-      while (near) {
-        const int i = __builtin_ctz(near);
-        near &= near - 1;
-        yr[j + i] = static_cast<float>(exact_column(*w, j + i, xr));
-        ++recomputed;
-      }
+    for (; j + v::kLanes <= w->n; j += v::kLanes) {
+      if (v::reduce_max(v::load(yr + j)) < floor) continue;
+      for (int i = 0; i < v::kLanes; ++i)
+        if (yr[j + i] >= floor) {
+          yr[j + i] = static_cast<float>(exact_column(*w, j + i, xr));
+          ++recomputed;
+        }
     }
-#endif
     for (; j < w->n; ++j) {
       if (yr[j] >= floor) {
         yr[j] = static_cast<float>(exact_column(*w, j, xr));

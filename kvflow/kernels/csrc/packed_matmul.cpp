@@ -1,4 +1,5 @@
-// A few rows times packed 4- or 8-bit weights (decode steps), with AVX512-VNNI integer dot products.
+// Rows times packed 4- or 8-bit weights, with integer dot products: AVX512-VNNI (and AMX int8 tiles for
+// several rows), AVX2, ARM NEON dotprod, or plain C++, whichever this tier's library was built for.
 //
 // Decode reads every weight once per step and does two flops with it, so its speed is how cheaply the
 // packed bytes become products. The layout (kvflow_cpu.h) puts 16 output columns side by side, 4
@@ -9,60 +10,56 @@
 // quantization error is 2^-16, finer than bfloat16's 2^-9 per element. The block's sum is then scaled
 // by the column's weight scale times the block's input scale, and offset times input sum is added.
 // Work is split by output columns only, so each column's sum runs in the same order whatever the row
-// count or thread count: a row's result does not depend on the batch.
-#include <cmath>
+// count or thread count: a row's result does not depend on the batch. Every tier computes the same exact
+// integer sums and the same float epilogue, so the tiers' results are bitwise equal (tests hold them to it).
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
 #include "kvflow_cpu.h"
-#include "row_ops.h"
+#include "packed_common.h"
+#include "threads.h"
 #include "tuning.h"
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define KVFLOW_HAVE_VNNI 1
-#include <immintrin.h>
+#include "packed_vnni.h"
+using Kernel = kvflow::packed::Vnni;
+constexpr int32_t kPath = 4;
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define KVFLOW_HAVE_AMX 1
-#include "amx_tiles.h"
-#endif
-#endif
-
-#if defined(KVFLOW_HAVE_VNNI)
-#include "packed_vnni.h"
-#endif
-#if defined(KVFLOW_HAVE_AMX)
 #include "packed_amx.h"
 #endif
-
-namespace {
-#if defined(KVFLOW_HAVE_VNNI)
-using namespace kvflow::packed;
-#endif
-}  // namespace
-
-
-extern "C" int32_t kvflow_packed_matmul_level(void) {
-#if defined(KVFLOW_HAVE_AMX)
-  return kvflow::amx_permitted() ? 2 : 1;
-#elif defined(KVFLOW_HAVE_VNNI)
-  return 1;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include "packed_avx2.h"
+using Kernel = kvflow::packed::Avx2;
+constexpr int32_t kPath = 2;
+#elif defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD)
+#include "packed_neon.h"
+using Kernel = kvflow::packed::Neon;
+constexpr int32_t kPath = 3;
 #else
-  return 0;
+#include "packed_scalar.h"
+using Kernel = kvflow::packed::Scalar;
+constexpr int32_t kPath = 1;
+#endif
+
+using kvflow::packed::kBlock;
+using kvflow::packed::Rows;
+
+extern "C" int32_t kvflow_packed_matmul_path(void) {
+#if defined(KVFLOW_HAVE_AMX)
+  return kvflow::amx_permitted() ? 5 : kPath;
+#else
+  return kPath;
 #endif
 }
 
 extern "C" int32_t kvflow_packed_matmul(const KvflowPackedWeight* w, const float* x, int64_t x_stride, int32_t m,
                                         float* y, int64_t y_stride, int32_t num_threads) {
-#ifdef KVFLOW_HAVE_VNNI
   if (w->k % kBlock || (w->bits != 4 && w->bits != 8) || m <= 0) return -1;
   const int64_t nb = w->k / kBlock;
 #ifdef KVFLOW_HAVE_AMX
-  const bool amx = prefer_amx(*w, m) && kvflow::amx_permitted();
+  const bool amx = kvflow::packed::prefer_amx(*w, m) && kvflow::amx_permitted();
 #else
   const bool amx = false;
 #endif
@@ -77,7 +74,7 @@ extern "C" int32_t kvflow_packed_matmul(const KvflowPackedWeight* w, const float
   float* scale = block_stats.data();
   float* sum = scale + static_cast<size_t>(padded) * nb;
   for (int r = 0; r < m; ++r)
-    quantize_row(x + r * x_stride, w->k, hi + r * w->k, lo + r * w->k, scale + r * nb, sum + r * nb);
+    Kernel::quantize_row(x + r * x_stride, w->k, hi + r * w->k, lo + r * w->k, scale + r * nb, sum + r * nb);
   for (int r = m; r < padded; ++r) {  // rows a tile reads but nobody uses: zeros, not stale bytes
     std::memset(hi + r * w->k, 0, w->k);
     std::memset(lo + r * w->k, 0, w->k);
@@ -90,25 +87,17 @@ extern "C" int32_t kvflow_packed_matmul(const KvflowPackedWeight* w, const float
   // thread streams weights from DRAM at about half the rate two do, so even a decode step's smaller
   // projections are split (benchmarks/RESULTS.md, session 6).
   const int team = groups * w->k * m >= 16 * 1024 ? num_threads : 1;
-#pragma omp parallel num_threads(team) if (team > 1)
-  {
-#ifdef _OPENMP
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-    const int t = 0, nt = 1;
-#endif
+  kvflow::parallel(team, [&](kvflow::Team& workers) {
+    const int t = workers.thread(), nt = workers.threads();
+    const int64_t g_lo = groups * t / nt, g_hi = groups * (t + 1) / nt;
 #ifdef KVFLOW_HAVE_AMX
-    if (amx)
-      (tile_rows == 8 ? amx_groups<8> : amx_groups<16>)(*w, groups * t / nt, groups * (t + 1) / nt, rows, m, y,
-                                                        y_stride);
-    else
+    if (amx) {
+      (tile_rows == 8 ? kvflow::packed::amx_groups<8> : kvflow::packed::amx_groups<16>)(*w, g_lo, g_hi, rows, m, y,
+                                                                                        y_stride);
+      return;
+    }
 #endif
-      run_groups(*w, groups * t / nt, groups * (t + 1) / nt, rows, m, y, y_stride);
-  }
+    kvflow::packed::run_groups<Kernel>(*w, g_lo, g_hi, rows, m, y, y_stride);
+  });
   return 0;
-#else
-  (void)w, (void)x, (void)x_stride, (void)m, (void)y, (void)y_stride, (void)num_threads;
-  return -1;
-#endif
 }
-

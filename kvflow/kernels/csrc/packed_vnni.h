@@ -1,4 +1,5 @@
-// The packed matmul on AVX512-VNNI: 16 columns x 4 inputs per vpdpbusd (see packed_matmul.cpp).
+// The packed matmul on AVX512-VNNI: one 64-byte code row (16 columns x 4 inputs) is the unsigned operand
+// of one vpdpbusd against four input digits (see packed_matmul.cpp).
 #pragma once
 
 #include <immintrin.h>
@@ -9,8 +10,10 @@
 
 namespace kvflow::packed {
 
-// One row's inputs -> digits, per block of 32: s = max|x| / kMaxInt, x_int = round(x / s).
-void quantize_row(const float* x, int64_t k, int8_t* hi, int8_t* lo, float* scale, float* sum) {
+namespace vnni {
+
+// quantize_row_scalar (packed_common.h), 32 inputs at a time.
+inline void quantize_row(const float* x, int64_t k, int8_t* hi, int8_t* lo, float* scale, float* sum) {
   const __m512 sign_off = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   for (int64_t b = 0; b < k / kBlock; ++b) {
     const __m512 v0 = _mm512_loadu_ps(x + b * kBlock), v1 = _mm512_loadu_ps(x + b * kBlock + 16);
@@ -111,38 +114,22 @@ void tile_group(const KvflowPackedWeight& w, int64_t g0, const Rows& rows, float
   }
 }
 
-// Groups [g_lo, g_hi) for M rows, groups as wide as the registers allow.
-template <int M>
-void rows_block(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y, int64_t ys) {
-  constexpr int G = M == 1 ? 4 : (M == 2 ? 2 : 1);
-  int64_t g = g_lo;
-  for (; g + G <= g_hi; g += G) tile_group<M, G>(w, g, rows, y, ys);
-  for (; g < g_hi; ++g) tile_group<M, 1>(w, g, rows, y, ys);
-}
+}  // namespace vnni
 
-// Groups [g_lo, g_hi) for rows [0, m): four groups at a time, and for each, all rows four at a time, so
-// the groups' bytes come from memory once and stay in L1 for the later rows. (Rows outside, groups
-// inside, read them again per 4 rows, from L2 at best.)
-void run_groups(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, int m, float* y,
-                int64_t ys) {
-  constexpr int64_t kGroupsAtOnce = 4;
-  for (int64_t g0 = g_lo; g0 < g_hi; g0 += kGroupsAtOnce) {
-    const int64_t g1 = g0 + kGroupsAtOnce < g_hi ? g0 + kGroupsAtOnce : g_hi;
-    for (int r0 = 0; r0 < m; r0 += 4) {
-      Rows part = rows;
-      part.hi += r0 * rows.stride;
-      part.lo += r0 * rows.stride;
-      part.scale += r0 * rows.blocks;
-      part.sum += r0 * rows.blocks;
-      float* yr = y + r0 * ys;
-      switch (m - r0 >= 4 ? 4 : m - r0) {
-        case 1: rows_block<1>(w, g0, g1, part, yr, ys); break;
-        case 2: rows_block<2>(w, g0, g1, part, yr, ys); break;
-        case 3: rows_block<3>(w, g0, g1, part, yr, ys); break;
-        default: rows_block<4>(w, g0, g1, part, yr, ys); break;
-      }
-    }
+struct Vnni {
+  static constexpr int kRows = 4;
+  static void quantize_row(const float* x, int64_t k, int8_t* hi, int8_t* lo, float* scale, float* sum) {
+    vnni::quantize_row(x, k, hi, lo, scale, sum);
   }
-}
+  // Groups [g_lo, g_hi) for M rows, groups as wide as the registers allow.
+  template <int M>
+  static void rows_block(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y,
+                         int64_t ys) {
+    constexpr int G = M == 1 ? 4 : (M == 2 ? 2 : 1);
+    int64_t g = g_lo;
+    for (; g + G <= g_hi; g += G) vnni::tile_group<M, G>(w, g, rows, y, ys);
+    for (; g < g_hi; ++g) vnni::tile_group<M, 1>(w, g, rows, y, ys);
+  }
+};
 
 }  // namespace kvflow::packed

@@ -15,6 +15,8 @@
 
 #include "attention_rows.h"
 #include "kvflow_cpu.h"
+#include "simd.h"
+#include "threads.h"
 
 namespace {
 
@@ -24,22 +26,19 @@ using namespace kvflow::attention;
 // and summed in chunk order, then normalised. weights is scratch.
 void merge_chunks(const float* part_max, const float* part_sum, const float* part_acc, int c0, int c1, int hq, int h,
                   int d, std::vector<float>& weights, float* out) {
+  namespace v = kvflow::simd;
   const int n = c1 - c0;
-  weights.resize((n + 15) / 16 * 16);
+  weights.resize((n + v::kLanes - 1) / v::kLanes * v::kLanes);
   float m = -INFINITY;
   for (int c = 0; c < n; ++c) {
     weights[c] = part_max[(c0 + c) * hq + h];
     m = weights[c] > m ? weights[c] : m;
   }
-#ifdef __AVX512F__
-  // exp per chunk, 16 at a time (a scalar exp a chunk made the merge a visible share of the attention).
+  // exp per chunk, a vector at a time (a scalar exp a chunk made the merge a visible share of the attention).
   for (size_t c = n; c < weights.size(); ++c) weights[c] = -INFINITY;  // exp gives 0
-  const __m512 mv = _mm512_set1_ps(m);
-  for (size_t c = 0; c < weights.size(); c += 16)
-    _mm512_storeu_ps(&weights[c], exp16(_mm512_sub_ps(_mm512_loadu_ps(&weights[c]), mv)));
-#else
-  for (int c = 0; c < n; ++c) weights[c] = std::exp(weights[c] - m);
-#endif
+  const v::vf mv = v::set1(m);
+  for (size_t c = 0; c < weights.size(); c += v::kLanes)
+    v::store(&weights[c], v::exp(v::sub(v::load(&weights[c]), mv)));
   float total = 0.f;
   std::memset(out, 0, sizeof(float) * d);
   for (int c = 0; c < n; ++c) {
@@ -120,8 +119,7 @@ void run(const KvflowRows& in, T* k_cache, T* v_cache, const KvflowStep& step, f
   float* const max_at = part_max.data();
   float* const sum_at = part_sum.data();
   float* const acc_at = part_acc.data();
-#pragma omp parallel num_threads(team) if (team > 1)
-  {
+  kvflow::parallel(team, [&](kvflow::Team& workers) {
     thread_local std::vector<float> scores;
     thread_local std::vector<int64_t> offsets;
     scores.resize(static_cast<size_t>(kMaxChunk) * hq);
@@ -129,8 +127,7 @@ void run(const KvflowRows& in, T* k_cache, T* v_cache, const KvflowStep& step, f
     const float* q_rows[kRowBlock];
     int contexts[kRowBlock];
     size_t part_at[kRowBlock];
-#pragma omp for schedule(dynamic, 1)
-    for (int it = 0; it < num_items; ++it) {
+    workers.for_dynamic(num_items, [&](int it) {
       const Item& item = items_at[it];
       for (int r = 0; r < item.count; ++r) {
         const Row& row = rows_at[item.first_row + r];
@@ -141,17 +138,16 @@ void run(const KvflowRows& in, T* k_cache, T* v_cache, const KvflowStep& step, f
       const Row& first = rows_at[item.first_row];
       attend_rows(q_rows, contexts, part_at, item.count, k_cache, v_cache, tables + first.seq * s.table_stride,
                   item.chunk * item.len, item.len, s, scores.data(), offsets.data(), max_at, sum_at, acc_at);
-    }
+    });
     // (The loop above ends in a barrier: every chunk's partial results are written.) Each (row, head)
     // merges its chunks in chunk order, whichever thread takes it.
     thread_local std::vector<float> weights;
-#pragma omp for schedule(static)
-    for (int unit = 0; unit < num_rows * hq; ++unit) {
+    workers.for_static(num_rows * hq, [&](int unit) {
       const int i = unit / hq, h = unit % hq;
       merge_chunks(max_at, sum_at, acc_at, first_chunk_at[i], first_chunk_at[i + 1], hq, h, d, weights,
                    out + rows_at[i].out_row * out_stride + h * d);
-    }
-  }
+    });
+  });
 }
 
 }  // namespace

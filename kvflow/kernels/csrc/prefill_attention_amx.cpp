@@ -17,7 +17,8 @@
 #include <vector>
 
 #include "kvflow_cpu.h"
-#include "row_ops.h"
+#include "simd.h"
+#include "threads.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BF16__)
 #define KVFLOW_HAVE_AMX_BF16 1
@@ -41,10 +42,9 @@ void configure_tiles() {  // eight tiles of 16 rows x 64 bytes; the configuratio
   _tile_loadconfig(&c);
 }
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) { return kvflow::load16f(p); }  // bfloat16 bits
-inline __m512 load16(const _Float16* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+template <typename T>
+inline __m512 load16(const T* p) {  // float32, bfloat16 bits or float16
+  return kvflow::simd::load(p);
 }
 inline __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
 
@@ -249,10 +249,9 @@ void attend_block(const float* q, int64_t q_stride, int d, float scale, const Se
 // Inside a parallel region: the threads share the packing. One work unit is 32 keys of one KV head of one
 // sequence (two K blocks of 16, one V block of 32); sequence i's units start at first_unit[i].
 template <typename T>
-void pack(const Cache& c, const std::vector<Sequence>& seqs, const std::vector<int>& first_unit, uint32_t* k_tiles,
-          uint32_t* v_tiles) {
-#pragma omp for schedule(static)
-  for (int u = 0; u < first_unit.back(); ++u) {
+void pack(kvflow::Team& team, const Cache& c, const std::vector<Sequence>& seqs, const std::vector<int>& first_unit,
+          uint32_t* k_tiles, uint32_t* v_tiles) {
+  team.for_static(first_unit.back(), [&](int u) {
     size_t i = 0;
     while (first_unit[i + 1] <= u) ++i;
     const Sequence& s = seqs[i];
@@ -261,7 +260,7 @@ void pack(const Cache& c, const std::vector<Sequence>& seqs, const std::vector<i
     pack_keys<T>(c, s, h, 2 * b, k_tiles + at);
     pack_keys<T>(c, s, h, 2 * b + 1, k_tiles + at);
     pack_values<T>(c, s, h, b, v_tiles + at);
-  }
+  });
 }
 #endif
 
@@ -307,22 +306,20 @@ extern "C" int32_t kvflow_prefill_attention_bf16(const KvflowAttention* layer, c
   uint32_t* kt = k_tiles.data();
   uint32_t* vt = v_tiles.data();
   const int group = hq / hkv, num_items = static_cast<int>(items.size());
-#pragma omp parallel num_threads(num_threads)
-  {
-    if (cache_dtype == 0) pack<float>(cache, seqs, first_unit, kt, vt);
-    else if (cache_dtype == 1) pack<uint16_t>(cache, seqs, first_unit, kt, vt);
-    else pack<_Float16>(cache, seqs, first_unit, kt, vt);
+  kvflow::parallel(num_threads, [&](kvflow::Team& team) {
+    if (cache_dtype == 0) pack<float>(team, cache, seqs, first_unit, kt, vt);
+    else if (cache_dtype == 1) pack<uint16_t>(team, cache, seqs, first_unit, kt, vt);
+    else pack<_Float16>(team, cache, seqs, first_unit, kt, vt);
     configure_tiles();
     thread_local Scratch scratch;
-#pragma omp for schedule(dynamic, 1)
-    for (int i = 0; i < num_items; ++i) {
+    team.for_dynamic(num_items, [&](int i) {
       const Item& it = items[i];
       const Sequence& s = seqs[it.seq];
       const int64_t at = s.packed * hkv + static_cast<int64_t>(it.h / group) * s.padded * d / 2;
       attend_block(q, q_stride, d, scale, s, it.h, it.r0, kt + at, vt + at, out, out_stride, scratch);
-    }
+    });
     _tile_release();
-  }
+  });
   return 0;
 #else
   (void)layer, (void)step, (void)q, (void)q_stride, (void)out, (void)out_stride, (void)num_threads;

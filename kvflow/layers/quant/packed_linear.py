@@ -1,6 +1,6 @@
 """4- and 8-bit group-wise linear on kvflow's own kernel (kernels/packed_matmul): GGUF Q4_0 / Q4_1 / Q8_0.
 
-Where it runs (a C++ compiler and AVX512-VNNI), it replaces Int4Linear and Int8BlockLinear: the codes
+Where the kernels build (a C++ compiler; every CPU tier), it replaces Int4Linear and Int8BlockLinear: the codes
 and float16 scales are stored as the GGUF has them, so the weights it multiplies by are the file's own
 (no bfloat16 copy of the scales), and its float32 output is not rounded to bfloat16. The only rounding
 is the input's quantization to 16-bit integers per block of 32 inputs (2^-16 of the block's largest).

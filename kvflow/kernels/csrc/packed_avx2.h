@@ -1,0 +1,176 @@
+// The packed matmul on AVX2 (no VNNI): each 32-byte half of a code row (8 columns x 4 inputs) times four
+// input digits through vpmaddubsw (unsigned codes x signed digits, pairs summed to 16 bits) and vpmaddwd
+// (pairs summed to 32 bits), as llama.cpp's AVX2 dot products do.
+//
+// vpmaddubsw saturates, so each product must stay small: 4-bit codes (0..15) times digits (-128..127)
+// give at most 3,840 per pair, and eight steps of a block summed in 16 bits stay below 32,767. 8-bit codes
+// go as their two nibbles (c = 16 h + l) and are recombined in 32 bits. Every sum is exact, and the float
+// epilogue is the VNNI path's, lane for lane: the result is bitwise the same.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "packed_common.h"
+
+namespace kvflow::packed {
+
+namespace avx2 {
+
+inline void quantize_row(const float* x, int64_t k, int8_t* hi, int8_t* lo, float* scale, float* sum) {
+  const __m256 sign_off = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256i lim = _mm256_set1_epi32(kMaxInt), neg = _mm256_set1_epi32(-kMaxInt), c128 = _mm256_set1_epi32(128);
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const float* xb = x + b * kBlock;
+    __m256 v[4];
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(xb + 8 * i);
+      m = _mm256_max_ps(m, _mm256_and_ps(v[i], sign_off));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const float s = amax / kMaxInt;
+    const __m256 inv = _mm256_set1_ps(amax > 0.f ? kMaxInt / amax : 0.f);
+    __m256i total = _mm256_setzero_si256();
+    alignas(32) int32_t h32[8], l32[8];
+    for (int i = 0; i < 4; ++i) {
+      __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // round to nearest even
+      q = _mm256_max_epi32(_mm256_min_epi32(q, lim), neg);
+      const __m256i h = _mm256_srai_epi32(_mm256_add_epi32(q, c128), 8);
+      const __m256i l = _mm256_sub_epi32(q, _mm256_slli_epi32(h, 8));
+      total = _mm256_add_epi32(total, q);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(h32), h);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(l32), l);
+      for (int j = 0; j < 8; ++j) {
+        hi[b * kBlock + 8 * i + j] = static_cast<int8_t>(h32[j]);
+        lo[b * kBlock + 8 * i + j] = static_cast<int8_t>(l32[j]);
+      }
+    }
+    alignas(32) int32_t t32[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(t32), total);
+    int32_t sum_q = 0;
+    for (int j = 0; j < 8; ++j) sum_q += t32[j];
+    scale[b] = s;
+    sum[b] = s * static_cast<float>(sum_q);
+  }
+}
+
+inline __m256i broadcast4(const int8_t* p) {  // four input digits, in every 32-bit lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// Columns 16 g + 8 half .. + 8 of group g for M rows, H halves (1 or 2) from `half` on.
+template <int M, int H>
+void tile(const KvflowPackedWeight& w, int64_t g, int half, const Rows& rows, float* y, int64_t y_stride) {
+  const int64_t nb = w.k / kBlock;
+  const size_t chunk = chunk_bytes(w), codes_end = code_bytes(w);
+  const bool has_offset = w.has_offset != 0, four_bit = w.bits == 4;
+  const uint8_t* base = w.data + static_cast<size_t>(g) * nb * chunk;
+  const __m256i low_nibble = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  __m256 acc[M][H];
+  for (int r = 0; r < M; ++r)
+    for (int h = 0; h < H; ++h) acc[r][h] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const size_t at = static_cast<size_t>(b) * chunk;
+    if (half == 0) prefetch_ahead(base + at, chunk);
+    // 16-bit sums over the block: [digit][nibble] (nibble 1: the high nibbles of 8-bit codes)
+    __m256i s16[M][H][2][2];
+    for (int r = 0; r < M; ++r)
+      for (int h = 0; h < H; ++h)
+        for (int d = 0; d < 2; ++d) s16[r][h][d][0] = s16[r][h][d][1] = _mm256_setzero_si256();
+    auto step = [&](int quad, int nibble, const __m256i* codes) {  // codes[h]: 8 columns x 4 inputs
+      for (int r = 0; r < M; ++r) {
+        const __m256i xh = broadcast4(rows.hi + r * rows.stride + b * kBlock + 4 * quad);
+        const __m256i xl = broadcast4(rows.lo + r * rows.stride + b * kBlock + 4 * quad);
+        for (int h = 0; h < H; ++h) {
+          s16[r][h][0][nibble] = _mm256_add_epi16(s16[r][h][0][nibble], _mm256_maddubs_epi16(codes[h], xh));
+          s16[r][h][1][nibble] = _mm256_add_epi16(s16[r][h][1][nibble], _mm256_maddubs_epi16(codes[h], xl));
+        }
+      }
+    };
+    if (four_bit) {
+      for (int row = 0; row < 4; ++row) {  // low nibbles are inputs 8 row .. +3, high ones +4 .. +7
+        __m256i lo[H], hi[H];
+        for (int h = 0; h < H; ++h) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + at + 64 * row + 32 * (half + h)));
+          lo[h] = _mm256_and_si256(v, low_nibble);
+          hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibble);
+        }
+        step(2 * row, 0, lo);
+        step(2 * row + 1, 0, hi);
+      }
+    } else {
+      for (int row = 0; row < 8; ++row) {  // code c = 16 (c >> 4) + (c & 15): each nibble on its own
+        __m256i lo[H], hi[H];
+        for (int h = 0; h < H; ++h) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + at + 64 * row + 32 * (half + h)));
+          lo[h] = _mm256_and_si256(v, low_nibble);
+          hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibble);
+        }
+        step(row, 0, lo);
+        step(row, 1, hi);
+      }
+    }
+    for (int h = 0; h < H; ++h) {
+      const uint8_t* s = base + at + codes_end + 16 * (half + h);
+      const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+      const __m256 offset =
+          has_offset ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32))) : _mm256_setzero_ps();
+      for (int r = 0; r < M; ++r) {
+        __m256i dot_h = _mm256_madd_epi16(s16[r][h][0][0], ones), dot_l = _mm256_madd_epi16(s16[r][h][1][0], ones);
+        if (!four_bit) {
+          dot_h = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(s16[r][h][0][1], ones), 4), dot_h);
+          dot_l = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(s16[r][h][1][1], ones), 4), dot_l);
+        }
+        const __m256i dot = _mm256_add_epi32(_mm256_slli_epi32(dot_h, 8), dot_l);
+        const __m256 col_scale = _mm256_mul_ps(scale, _mm256_set1_ps(rows.scale[r * rows.blocks + b]));
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), col_scale, acc[r][h]);
+        if (has_offset) acc[r][h] = _mm256_fmadd_ps(offset, _mm256_set1_ps(rows.sum[r * rows.blocks + b]), acc[r][h]);
+      }
+    }
+  }
+  for (int h = 0; h < H; ++h) {
+    const int64_t col = g * 16 + 8 * (half + h);
+    const int64_t left = w.n - col;
+    for (int r = 0; r < M; ++r) {
+      float* out = y + r * y_stride + col;
+      if (left >= 8) {
+        _mm256_storeu_ps(out, acc[r][h]);
+      } else if (left > 0) {
+        alignas(32) float tmp[8];
+        _mm256_store_ps(tmp, acc[r][h]);
+        std::memcpy(out, tmp, sizeof(float) * left);
+      }
+    }
+  }
+}
+
+}  // namespace avx2
+
+struct Avx2 {
+  static constexpr int kRows = 2;
+  static void quantize_row(const float* x, int64_t k, int8_t* hi, int8_t* lo, float* scale, float* sum) {
+    avx2::quantize_row(x, k, hi, lo, scale, sum);
+  }
+  // Groups [g_lo, g_hi) for M rows: both halves of a group at once where the 16 registers allow (one row
+  // of 4-bit codes), else one half at a time.
+  template <int M>
+  static void rows_block(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y,
+                         int64_t ys) {
+    for (int64_t g = g_lo; g < g_hi; ++g) {
+      if (M == 1 && w.bits == 4) {
+        avx2::tile<1, 2>(w, g, 0, rows, y, ys);
+      } else {
+        avx2::tile<M, 1>(w, g, 0, rows, y, ys);
+        avx2::tile<M, 1>(w, g, 1, rows, y, ys);
+      }
+    }
+  }
+};
+
+}  // namespace kvflow::packed

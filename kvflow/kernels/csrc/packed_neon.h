@@ -1,0 +1,118 @@
+// The packed matmul on ARM NEON with the dotprod extension: each 16-byte quarter of a code row (4 columns
+// x 4 inputs) times four input digits through vdotq_s32 (signed bytes, four products summed per 32-bit
+// lane), as llama.cpp's ARM dot products do. 4-bit codes (0..15) are signed bytes as they are; 8-bit
+// codes go as their two nibbles (c = 16 h + l), recombined in 32 bits. Every sum is exact and the float
+// epilogue is the other tiers', lane for lane: the result is bitwise the same.
+#pragma once
+
+#include <arm_neon.h>
+
+#include <cstring>
+#include <type_traits>
+
+#include "packed_common.h"
+
+namespace kvflow::packed {
+
+namespace neon {
+
+inline int8x16_t broadcast4(const int8_t* p) {  // four input digits, in every 32-bit lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return vreinterpretq_s8_s32(vdupq_n_s32(v));
+}
+
+inline float32x4_t halves(const uint8_t* p) {  // four float16 values
+  return vcvt_f32_f16(vreinterpret_f16_u8(vld1_u8(p)));
+}
+
+// The 16 columns of group g for M rows.
+template <int M>
+void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, int64_t y_stride) {
+  const int64_t nb = w.k / kBlock;
+  const size_t chunk = chunk_bytes(w), codes_end = code_bytes(w);
+  const bool has_offset = w.has_offset != 0, four_bit = w.bits == 4;
+  const uint8_t* base = w.data + static_cast<size_t>(g) * nb * chunk;
+  const uint8x16_t low_nibble = vdupq_n_u8(0x0f);
+  float32x4_t acc[M][4];
+  for (int r = 0; r < M; ++r)
+    for (int q = 0; q < 4; ++q) acc[r][q] = vdupq_n_f32(0.f);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* block = base + static_cast<size_t>(b) * chunk;
+    prefetch_ahead(block, chunk);
+    int32x4_t dot_h[M][4], dot_l[M][4];  // [row][quarter: 4 columns]
+    for (int r = 0; r < M; ++r)
+      for (int q = 0; q < 4; ++q) dot_h[r][q] = dot_l[r][q] = vdupq_n_s32(0);
+    // codes[q]: columns 4q .. 4q + 3 x 4 inputs; products scaled by 2^Shift (16 for high nibbles)
+    auto step = [&](int quad, const int8x16_t* codes, auto shift) {
+      constexpr int Shift = decltype(shift)::value;
+      for (int r = 0; r < M; ++r) {
+        const int8x16_t xh = broadcast4(rows.hi + r * rows.stride + b * kBlock + 4 * quad);
+        const int8x16_t xl = broadcast4(rows.lo + r * rows.stride + b * kBlock + 4 * quad);
+        for (int q = 0; q < 4; ++q) {
+          if constexpr (Shift == 0) {
+            dot_h[r][q] = vdotq_s32(dot_h[r][q], codes[q], xh);
+            dot_l[r][q] = vdotq_s32(dot_l[r][q], codes[q], xl);
+          } else {
+            const int32x4_t zero = vdupq_n_s32(0);
+            dot_h[r][q] = vaddq_s32(dot_h[r][q], vshlq_n_s32(vdotq_s32(zero, codes[q], xh), Shift));
+            dot_l[r][q] = vaddq_s32(dot_l[r][q], vshlq_n_s32(vdotq_s32(zero, codes[q], xl), Shift));
+          }
+        }
+      }
+    };
+    const std::integral_constant<int, 0> plain;
+    const std::integral_constant<int, 4> high;
+    const int rows_per_block = four_bit ? 4 : 8;
+    for (int row = 0; row < rows_per_block; ++row) {
+      int8x16_t lo[4], hi[4];
+      for (int q = 0; q < 4; ++q) {
+        const uint8x16_t v = vld1q_u8(block + 64 * row + 16 * q);
+        lo[q] = vreinterpretq_s8_u8(vandq_u8(v, low_nibble));
+        hi[q] = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));
+      }
+      if (four_bit) {  // low nibbles are inputs 8 row .. +3, high ones +4 .. +7
+        step(2 * row, lo, plain);
+        step(2 * row + 1, hi, plain);
+      } else {  // code c = 16 (c >> 4) + (c & 15)
+        step(row, lo, plain);
+        step(row, hi, high);
+      }
+    }
+    for (int q = 0; q < 4; ++q) {
+      const float32x4_t scale = halves(block + codes_end + 8 * q);
+      const float32x4_t offset = has_offset ? halves(block + codes_end + 32 + 8 * q) : vdupq_n_f32(0.f);
+      for (int r = 0; r < M; ++r) {
+        const int32x4_t dot = vaddq_s32(vshlq_n_s32(dot_h[r][q], 8), dot_l[r][q]);
+        const float32x4_t col_scale = vmulq_f32(scale, vdupq_n_f32(rows.scale[r * rows.blocks + b]));
+        acc[r][q] = vfmaq_f32(acc[r][q], vcvtq_f32_s32(dot), col_scale);
+        if (has_offset) acc[r][q] = vfmaq_f32(acc[r][q], offset, vdupq_n_f32(rows.sum[r * rows.blocks + b]));
+      }
+    }
+  }
+  for (int q = 0; q < 4; ++q) {
+    const int64_t col = g * 16 + 4 * q;
+    const int64_t left = w.n - col;
+    for (int r = 0; r < M; ++r) {
+      float tmp[4];
+      vst1q_f32(tmp, acc[r][q]);
+      for (int i = 0; i < 4 && i < left; ++i) y[r * y_stride + col + i] = tmp[i];
+    }
+  }
+}
+
+}  // namespace neon
+
+struct Neon {
+  static constexpr int kRows = 2;
+  static void quantize_row(const float* x, int64_t k, int8_t* hi, int8_t* lo, float* scale, float* sum) {
+    quantize_row_scalar(x, k, hi, lo, scale, sum);
+  }
+  template <int M>
+  static void rows_block(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y,
+                         int64_t ys) {
+    for (int64_t g = g_lo; g < g_hi; ++g) neon::tile<M>(w, g, rows, y, ys);
+  }
+};
+
+}  // namespace kvflow::packed

@@ -1,0 +1,72 @@
+// The packed matmul in plain C++ (the generic tier, and NEON without dotprod): the same exact integer
+// block sums and the same float epilogue as the vector tiers, one column at a time.
+#pragma once
+
+#include <cmath>
+
+#include "packed_common.h"
+
+namespace kvflow::packed {
+
+namespace scalar {
+
+inline int code_at(const uint8_t* block, int bits, int column, int input) {  // the layout in kvflow_cpu.h
+  if (bits == 4) {
+    const uint8_t byte = block[64 * (input / 8) + 4 * column + input % 4];
+    return (input % 8) < 4 ? (byte & 0x0f) : (byte >> 4);
+  }
+  return block[64 * (input / 4) + 4 * column + input % 4];
+}
+
+inline float half_at(const uint8_t* p) {
+  _Float16 h;
+  __builtin_memcpy(&h, p, 2);
+  return static_cast<float>(h);
+}
+
+// Columns of group g for M rows.
+template <int M>
+void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, int64_t y_stride) {
+  const int64_t nb = w.k / kBlock;
+  const size_t chunk = chunk_bytes(w), codes_end = code_bytes(w);
+  const uint8_t* base = w.data + static_cast<size_t>(g) * nb * chunk;
+  const int columns = w.n - g * 16 < 16 ? static_cast<int>(w.n - g * 16) : 16;
+  for (int c = 0; c < columns; ++c) {
+    float acc[M] = {};
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* block = base + static_cast<size_t>(b) * chunk;
+      const float scale = half_at(block + codes_end + 2 * c);
+      const float offset = w.has_offset ? half_at(block + codes_end + 32 + 2 * c) : 0.f;
+      for (int r = 0; r < M; ++r) {
+        const int8_t* xh = rows.hi + r * rows.stride + b * kBlock;
+        const int8_t* xl = rows.lo + r * rows.stride + b * kBlock;
+        int32_t dot_h = 0, dot_l = 0;
+        for (int i = 0; i < kBlock; ++i) {
+          const int q = code_at(block, w.bits, c, i);
+          dot_h += q * xh[i];
+          dot_l += q * xl[i];
+        }
+        const int32_t dot = dot_h * 256 + dot_l;
+        acc[r] = std::fma(static_cast<float>(dot), scale * rows.scale[r * rows.blocks + b], acc[r]);
+        if (w.has_offset) acc[r] = std::fma(offset, rows.sum[r * rows.blocks + b], acc[r]);
+      }
+    }
+    for (int r = 0; r < M; ++r) y[r * y_stride + g * 16 + c] = acc[r];
+  }
+}
+
+}  // namespace scalar
+
+struct Scalar {
+  static constexpr int kRows = 4;
+  static void quantize_row(const float* x, int64_t k, int8_t* hi, int8_t* lo, float* scale, float* sum) {
+    quantize_row_scalar(x, k, hi, lo, scale, sum);
+  }
+  template <int M>
+  static void rows_block(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y,
+                         int64_t ys) {
+    for (int64_t g = g_lo; g < g_hi; ++g) scalar::tile<M>(w, g, rows, y, ys);
+  }
+};
+
+}  // namespace kvflow::packed

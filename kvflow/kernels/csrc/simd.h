@@ -1,0 +1,262 @@
+// One float vector for every tier: 16 lanes on AVX-512, 8 on AVX2 (with FMA and F16C), 4 on NEON, 1 in
+// plain C++. The kernels are written once against these few operations; the library of each tier is
+// compiled with that tier's flags (kvflow/kernels/build.py), which picks the branch below.
+//
+// Loads and stores take float32, bfloat16 (uint16_t bits) and float16 (_Float16) values. Rounding is the
+// same on every tier (nearest even); sums over lanes are trees whose shape depends on the lane count, so
+// a result may differ in its last bits from one tier to another, never from one call to the next.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define KVFLOW_SIMD_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define KVFLOW_SIMD_AVX2 1
+#elif defined(__ARM_NEON)
+#include <arm_neon.h>
+#define KVFLOW_SIMD_NEON 1
+#endif
+
+namespace kvflow {
+
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch does
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+inline float widen(float x) { return x; }
+inline float widen(uint16_t x) { return bf16_to_float(x); }
+inline float widen(_Float16 x) { return static_cast<float>(x); }
+inline void narrow(float x, float* p) { *p = x; }
+inline void narrow(float x, uint16_t* p) { *p = float_to_bf16(x); }
+inline void narrow(float x, _Float16* p) { *p = static_cast<_Float16>(x); }
+
+namespace simd {
+
+// exp's polynomial (about 1 ulp, like expf): e^v = 2^k e^r, |r| <= ln2 / 2, degree 6 for e^r.
+constexpr float kLog2e = 1.44269504f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kExpLowest = -87.3f;  // below: exactly 0
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+#if defined(KVFLOW_SIMD_AVX512)
+constexpr int kLanes = 16, kRegisters = 32;
+using vf = __m512;
+inline vf load(const float* p) { return _mm512_loadu_ps(p); }
+inline vf load(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+inline vf load(const _Float16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+inline void store(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline void store(uint16_t* p, vf v) {
+#ifdef __AVX512BF16__
+  _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(v));
+#else
+  alignas(64) float tmp[16];
+  _mm512_store_ps(tmp, v);
+  for (int i = 0; i < 16; ++i) p[i] = float_to_bf16(tmp[i]);
+#endif
+}
+inline void store(_Float16* p, vf v) {
+  _mm256_storeu_si256((__m256i*)p, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline vf zero() { return _mm512_setzero_ps(); }
+inline vf set1(float x) { return _mm512_set1_ps(x); }
+inline vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf div(vf a, vf b) { return _mm512_div_ps(a, b); }
+inline vf fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c, one rounding
+inline vf max(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf min(vf a, vf b) { return _mm512_min_ps(a, b); }
+inline vf abs(vf a) { return _mm512_abs_ps(a); }
+inline float reduce_add(vf a) { return _mm512_reduce_add_ps(a); }
+inline float reduce_max(vf a) { return _mm512_reduce_max_ps(a); }
+// 2^k * p for integral k, inf past the float range (VSCALEFPS).
+inline vf scale_by_pow2(vf p, vf k) { return _mm512_scalef_ps(p, k); }
+inline vf round_nearest(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf clear_below(vf v, vf x, vf limit) {  // v where x >= limit, else 0
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, limit, _CMP_GE_OQ), v);
+}
+// The four vectors' lane sums, into out[0..4).
+inline void reduce4(vf a0, vf a1, vf a2, vf a3, float* out) {
+  const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  const __m512d d0 = _mm512_castps_pd(t0), d1 = _mm512_castps_pd(t1);
+  const __m512 t2 = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(d0, d1)),
+                                  _mm512_castpd_ps(_mm512_unpackhi_pd(d0, d1)));
+  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(t2), _mm512_extractf32x8_ps(t2, 1));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1)));
+}
+
+#elif defined(KVFLOW_SIMD_AVX2)
+constexpr int kLanes = 8, kRegisters = 16;
+using vf = __m256;
+inline vf load(const float* p) { return _mm256_loadu_ps(p); }
+inline vf load(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+inline vf load(const _Float16* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+inline void store(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline void store(uint16_t* p, vf v) {
+  alignas(32) float tmp[8];
+  _mm256_store_ps(tmp, v);
+  for (int i = 0; i < 8; ++i) p[i] = float_to_bf16(tmp[i]);
+}
+inline void store(_Float16* p, vf v) {
+  _mm_storeu_si128((__m128i*)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline vf zero() { return _mm256_setzero_ps(); }
+inline vf set1(float x) { return _mm256_set1_ps(x); }
+inline vf add(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf div(vf a, vf b) { return _mm256_div_ps(a, b); }
+inline vf fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf max(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline vf min(vf a, vf b) { return _mm256_min_ps(a, b); }
+inline vf abs(vf a) { return _mm256_and_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))); }
+inline float reduce_add(vf a) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+inline float reduce_max(vf a) {
+  const __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+}
+inline vf scale_by_pow2(vf p, vf k) {  // k within the exponent range (exp clamps its input first)
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+inline vf round_nearest(vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf clear_below(vf v, vf x, vf limit) { return _mm256_and_ps(v, _mm256_cmp_ps(x, limit, _CMP_GE_OQ)); }
+inline void reduce4(vf a0, vf a1, vf a2, vf a3, float* out) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+}
+
+#elif defined(KVFLOW_SIMD_NEON)
+constexpr int kLanes = 4, kRegisters = 32;
+using vf = float32x4_t;
+inline vf load(const float* p) { return vld1q_f32(p); }
+inline vf load(const uint16_t* p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)); }
+inline vf load(const _Float16* p) { return vcvt_f32_f16(vld1_f16(reinterpret_cast<const float16_t*>(p))); }
+inline void store(float* p, vf v) { vst1q_f32(p, v); }
+inline void store(uint16_t* p, vf v) {
+  float tmp[4];
+  vst1q_f32(tmp, v);
+  for (int i = 0; i < 4; ++i) p[i] = float_to_bf16(tmp[i]);
+}
+inline void store(_Float16* p, vf v) { vst1_f16(reinterpret_cast<float16_t*>(p), vcvt_f16_f32(v)); }
+inline vf zero() { return vdupq_n_f32(0.f); }
+inline vf set1(float x) { return vdupq_n_f32(x); }
+inline vf add(vf a, vf b) { return vaddq_f32(a, b); }
+inline vf sub(vf a, vf b) { return vsubq_f32(a, b); }
+inline vf mul(vf a, vf b) { return vmulq_f32(a, b); }
+inline vf div(vf a, vf b) { return vdivq_f32(a, b); }
+inline vf fmadd(vf a, vf b, vf c) { return vfmaq_f32(c, a, b); }
+inline vf max(vf a, vf b) { return vmaxq_f32(a, b); }
+inline vf min(vf a, vf b) { return vminq_f32(a, b); }
+inline vf abs(vf a) { return vabsq_f32(a); }
+inline float reduce_add(vf a) { return vaddvq_f32(a); }
+inline float reduce_max(vf a) { return vmaxvq_f32(a); }
+inline vf scale_by_pow2(vf p, vf k) {
+  const int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtnq_s32_f32(k), vdupq_n_s32(127)), 23);
+  return vmulq_f32(p, vreinterpretq_f32_s32(e));
+}
+inline vf round_nearest(vf a) { return vrndnq_f32(a); }
+inline vf clear_below(vf v, vf x, vf limit) {
+  return vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(v), vcgeq_f32(x, limit)));
+}
+inline void reduce4(vf a0, vf a1, vf a2, vf a3, float* out) {
+  vst1q_f32(out, vpaddq_f32(vpaddq_f32(a0, a1), vpaddq_f32(a2, a3)));
+}
+
+#else
+constexpr int kLanes = 1, kRegisters = 16;
+using vf = float;
+inline vf load(const float* p) { return *p; }
+inline vf load(const uint16_t* p) { return bf16_to_float(*p); }
+inline vf load(const _Float16* p) { return static_cast<float>(*p); }
+inline void store(float* p, vf v) { *p = v; }
+inline void store(uint16_t* p, vf v) { *p = float_to_bf16(v); }
+inline void store(_Float16* p, vf v) { *p = static_cast<_Float16>(v); }
+inline vf zero() { return 0.f; }
+inline vf set1(float x) { return x; }
+inline vf add(vf a, vf b) { return a + b; }
+inline vf sub(vf a, vf b) { return a - b; }
+inline vf mul(vf a, vf b) { return a * b; }
+inline vf div(vf a, vf b) { return a / b; }
+inline vf fmadd(vf a, vf b, vf c) { return std::fma(a, b, c); }
+inline vf max(vf a, vf b) { return a > b ? a : b; }
+inline vf min(vf a, vf b) { return a < b ? a : b; }
+inline vf abs(vf a) { return std::fabs(a); }
+inline float reduce_add(vf a) { return a; }
+inline float reduce_max(vf a) { return a; }
+inline vf scale_by_pow2(vf p, vf k) { return std::ldexp(p, static_cast<int>(k)); }
+inline vf round_nearest(vf a) { return std::nearbyint(a); }
+inline vf clear_below(vf v, vf x, vf limit) { return x >= limit ? v : 0.f; }
+inline void reduce4(vf a0, vf a1, vf a2, vf a3, float* out) { out[0] = a0, out[1] = a1, out[2] = a2, out[3] = a3; }
+#endif
+
+// e^v per lane. Inputs below kExpLowest give exactly 0; past the float range, inf (AVX-512) or the
+// largest finite power of two times the polynomial (elsewhere: exp's callers only pass v <= 0).
+inline vf exp(vf v) {
+  const vf lowest = set1(kExpLowest);
+  const vf x = max(v, lowest);
+#if defined(KVFLOW_SIMD_AVX512)
+  const vf clamped = x;  // VSCALEFPS gives inf past the range
+#else
+  const vf clamped = min(x, set1(88.7f));  // 2^k must stay a finite exponent
+#endif
+  const vf k = round_nearest(mul(clamped, set1(kLog2e)));
+  vf r = fmadd(k, set1(-kLn2Hi), clamped);
+  r = fmadd(k, set1(-kLn2Lo), r);
+  vf poly = set1(kExpPoly[0]);
+  for (int j = 1; j < 6; ++j) poly = fmadd(poly, r, set1(kExpPoly[j]));
+  poly = fmadd(poly, mul(r, r), add(r, set1(1.f)));
+  return clear_below(scale_by_pow2(poly, k), v, lowest);
+}
+
+// Portable loops over n values: vector steps, then a scalar tail.
+template <typename T>
+inline float dot(const float* a, const T* b, int n) {
+  int i = 0;
+  vf acc = zero();
+  for (; i + kLanes <= n; i += kLanes) acc = fmadd(load(a + i), load(b + i), acc);
+  float total = reduce_add(acc);
+  for (; i < n; ++i) total += a[i] * widen(b[i]);
+  return total;
+}
+
+inline float largest(const float* x, int64_t n) {
+  int64_t i = 0;
+  float m = -INFINITY;
+  if (n >= kLanes) {
+    vf mv = set1(-INFINITY);
+    for (; i + kLanes <= n; i += kLanes) mv = max(mv, load(x + i));
+    m = reduce_max(mv);
+  }
+  for (; i < n; ++i) m = x[i] > m ? x[i] : m;
+  return m;
+}
+
+}  // namespace simd
+}  // namespace kvflow
