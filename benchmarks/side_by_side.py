@@ -213,8 +213,15 @@ def main() -> None:
                                        (f"tg at depth {args.depth}", "tg128", args.depth, "tg_depth"))
     }
 
+    from kvflow.kernels import cpu_features
+
+    peer_info = subprocess.run([str(llamacpp_python), "-c", "import llama_cpp; print(llama_cpp.llama_print_system_info()"
+                                ".decode().strip())"], capture_output=True, text=True).stdout.strip()
     lines = [
         f"## Side by side with llama.cpp ({time.strftime('%Y-%m-%d %H:%M')}, {args.threads} threads)",
+        "",
+        f"CPU {cpu_features.cpu_name()}; kvflow kernel tier `{cpu_features.isa_tier()}` (the CPU's own: "
+        f"`{cpu_features.machine_tier()}`); llama.cpp from `{LLAMACPP_VENV.name}`: {peer_info}",
         "",
         f"`python benchmarks/side_by_side.py --threads {args.threads}"
         f"{' --quantization ' + args.quantization if args.quantization else ''}`, file {gguf.name}; "

@@ -22,7 +22,7 @@ double exact_column(const KvflowPackedWeight& w, int64_t j, const float* x) {
   double total = 0.0;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* at = group + b * chunk;
-    _Float16 scale16, offset16 = 0;
+    kvflow::float16 scale16, offset16 = 0;
     std::memcpy(&scale16, at + code_bytes + 2 * c, 2);
     if (w.has_offset) std::memcpy(&offset16, at + code_bytes + 32 + 2 * c, 2);
     const double scale = static_cast<double>(scale16), offset = static_cast<double>(offset16);
@@ -99,7 +99,7 @@ extern "C" void kvflow_packed_rows(const KvflowPackedWeight* w, const int64_t* i
     float* row = out + static_cast<int64_t>(i) * w->k;
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* at = group + b * chunk;
-      _Float16 scale16, offset16 = 0;
+      kvflow::float16 scale16, offset16 = 0;
       std::memcpy(&scale16, at + code_bytes + 2 * c, 2);
       if (w->has_offset) std::memcpy(&offset16, at + code_bytes + 32 + 2 * c, 2);
       const float scale = static_cast<float>(scale16), offset = static_cast<float>(offset16);

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "packed_common.h"
+#include "simd.h"
 
 namespace kvflow::packed {
 
@@ -19,7 +20,7 @@ inline int code_at(const uint8_t* block, int bits, int column, int input) {  // 
 }
 
 inline float half_at(const uint8_t* p) {
-  _Float16 h;
+  kvflow::float16 h;
   __builtin_memcpy(&h, p, 2);
   return static_cast<float>(h);
 }

@@ -165,7 +165,7 @@ extern "C" int32_t kvflow_paged_attention(const KvflowAttention* layer, const Kv
     run(*rows, static_cast<uint16_t*>(a.k_cache), static_cast<uint16_t*>(a.v_cache), *step, out, out_stride, s,
         all_rows, num_threads);
   else if (a.cache_dtype == 2)
-    run(*rows, static_cast<_Float16*>(a.k_cache), static_cast<_Float16*>(a.v_cache), *step, out, out_stride, s,
+    run(*rows, static_cast<kvflow::float16*>(a.k_cache), static_cast<kvflow::float16*>(a.v_cache), *step, out, out_stride, s,
         all_rows, num_threads);
   else
     return -1;

@@ -309,7 +309,7 @@ extern "C" int32_t kvflow_prefill_attention_bf16(const KvflowAttention* layer, c
   kvflow::parallel(num_threads, [&](kvflow::Team& team) {
     if (cache_dtype == 0) pack<float>(team, cache, seqs, first_unit, kt, vt);
     else if (cache_dtype == 1) pack<uint16_t>(team, cache, seqs, first_unit, kt, vt);
-    else pack<_Float16>(team, cache, seqs, first_unit, kt, vt);
+    else pack<kvflow::float16>(team, cache, seqs, first_unit, kt, vt);
     configure_tiles();
     thread_local Scratch scratch;
     team.for_dynamic(num_items, [&](int i) {

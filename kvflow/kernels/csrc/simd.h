@@ -2,7 +2,7 @@
 // plain C++. The kernels are written once against these few operations; the library of each tier is
 // compiled with that tier's flags (kvflow/kernels/build.py), which picks the branch below.
 //
-// Loads and stores take float32, bfloat16 (uint16_t bits) and float16 (_Float16) values. Rounding is the
+// Loads and stores take float32, bfloat16 (uint16_t bits) and float16 (float16) values. Rounding is the
 // same on every tier (nearest even); sums over lanes are trees whose shape depends on the lane count, so
 // a result may differ in its last bits from one tier to another, never from one call to the next.
 #pragma once
@@ -24,6 +24,14 @@
 
 namespace kvflow {
 
+// IEEE half precision as storage: float16 where C++ has it (GCC and Clang on x86, Clang on ARM), GCC's
+// __fp16 on ARM. Conversions round to nearest even either way.
+#if defined(__aarch64__) && !defined(__clang__)
+using float16 = __fp16;
+#else
+using float16 = _Float16;
+#endif
+
 inline float bf16_to_float(uint16_t h) {
   const uint32_t bits = static_cast<uint32_t>(h) << 16;
   float f;
@@ -41,10 +49,10 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch doe
 
 inline float widen(float x) { return x; }
 inline float widen(uint16_t x) { return bf16_to_float(x); }
-inline float widen(_Float16 x) { return static_cast<float>(x); }
+inline float widen(float16 x) { return static_cast<float>(x); }
 inline void narrow(float x, float* p) { *p = x; }
 inline void narrow(float x, uint16_t* p) { *p = float_to_bf16(x); }
-inline void narrow(float x, _Float16* p) { *p = static_cast<_Float16>(x); }
+inline void narrow(float x, float16* p) { *p = static_cast<float16>(x); }
 
 namespace simd {
 
@@ -61,7 +69,7 @@ inline vf load(const float* p) { return _mm512_loadu_ps(p); }
 inline vf load(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
-inline vf load(const _Float16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+inline vf load(const float16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 inline void store(float* p, vf v) { _mm512_storeu_ps(p, v); }
 inline void store(uint16_t* p, vf v) {
 #ifdef __AVX512BF16__
@@ -72,7 +80,7 @@ inline void store(uint16_t* p, vf v) {
   for (int i = 0; i < 16; ++i) p[i] = float_to_bf16(tmp[i]);
 #endif
 }
-inline void store(_Float16* p, vf v) {
+inline void store(float16* p, vf v) {
   _mm256_storeu_si256((__m256i*)p, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 inline vf zero() { return _mm512_setzero_ps(); }
@@ -111,14 +119,14 @@ inline vf load(const float* p) { return _mm256_loadu_ps(p); }
 inline vf load(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
-inline vf load(const _Float16* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+inline vf load(const float16* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 inline void store(float* p, vf v) { _mm256_storeu_ps(p, v); }
 inline void store(uint16_t* p, vf v) {
   alignas(32) float tmp[8];
   _mm256_store_ps(tmp, v);
   for (int i = 0; i < 8; ++i) p[i] = float_to_bf16(tmp[i]);
 }
-inline void store(_Float16* p, vf v) {
+inline void store(float16* p, vf v) {
   _mm_storeu_si128((__m128i*)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 inline vf zero() { return _mm256_setzero_ps(); }
@@ -157,14 +165,14 @@ constexpr int kLanes = 4, kRegisters = 32;
 using vf = float32x4_t;
 inline vf load(const float* p) { return vld1q_f32(p); }
 inline vf load(const uint16_t* p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)); }
-inline vf load(const _Float16* p) { return vcvt_f32_f16(vld1_f16(reinterpret_cast<const float16_t*>(p))); }
+inline vf load(const float16* p) { return vcvt_f32_f16(vld1_f16(reinterpret_cast<const float16_t*>(p))); }
 inline void store(float* p, vf v) { vst1q_f32(p, v); }
 inline void store(uint16_t* p, vf v) {
   float tmp[4];
   vst1q_f32(tmp, v);
   for (int i = 0; i < 4; ++i) p[i] = float_to_bf16(tmp[i]);
 }
-inline void store(_Float16* p, vf v) { vst1_f16(reinterpret_cast<float16_t*>(p), vcvt_f16_f32(v)); }
+inline void store(float16* p, vf v) { vst1_f16(reinterpret_cast<float16_t*>(p), vcvt_f16_f32(v)); }
 inline vf zero() { return vdupq_n_f32(0.f); }
 inline vf set1(float x) { return vdupq_n_f32(x); }
 inline vf add(vf a, vf b) { return vaddq_f32(a, b); }
@@ -194,10 +202,10 @@ constexpr int kLanes = 1, kRegisters = 16;
 using vf = float;
 inline vf load(const float* p) { return *p; }
 inline vf load(const uint16_t* p) { return bf16_to_float(*p); }
-inline vf load(const _Float16* p) { return static_cast<float>(*p); }
+inline vf load(const float16* p) { return static_cast<float>(*p); }
 inline void store(float* p, vf v) { *p = v; }
 inline void store(uint16_t* p, vf v) { *p = float_to_bf16(v); }
-inline void store(_Float16* p, vf v) { *p = static_cast<_Float16>(v); }
+inline void store(float16* p, vf v) { *p = static_cast<float16>(v); }
 inline vf zero() { return 0.f; }
 inline vf set1(float x) { return x; }
 inline vf add(vf a, vf b) { return a + b; }

@@ -1,0 +1,33 @@
+"""The exact mode's invariance on every kernel tier below this CPU's own (the rest of the suite runs on its
+own): test_invariance.py's packed variant with a float16 cache on each vector tier, forced with KVFLOW_ISA
+in a fresh process, and the same tests on a tiny model (test_invariance_tiny.py) on the plain C++ tier,
+which is too slow for the default model."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvflow.kernels import cpu_features, packed_matmul
+
+TESTS = Path(__file__).resolve().parents[1]
+LOWER = cpu_features.runnable_tiers()[:-1]
+
+
+# Only a CPU with nothing below its own tier has nothing to run here (no such x86 CPU: generic is below all).
+@pytest.mark.skipif(not LOWER or not packed_matmul.available(), reason="no tier below this CPU's, or no kernels")
+@pytest.mark.parametrize("tier", LOWER)
+def test_exact_mode_invariance_on_a_lower_tier(tier):
+    if tier == "generic":
+        selection = [str(TESTS / "engine" / "test_invariance_tiny.py")]
+    else:
+        selection = [str(TESTS / "engine" / "test_invariance.py"), "-k", "float16 and not bfloat16"]
+    env = {**os.environ, "KVFLOW_ISA": tier}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selection],
+                          env=env, cwd=TESTS.parent, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "failed" not in done.stdout

@@ -1,0 +1,34 @@
+"""The invariance tests of test_invariance.py on a tiny random Llama, int4-packed, in the exact mode with a
+float16 cache: quick enough for every kernel tier, the plain C++ one included (test_invariance_tiers.py
+runs it there)."""
+
+from __future__ import annotations
+
+import pytest
+from engine_helpers import make_llm
+
+from engine.test_invariance import (  # noqa: F401 - the tests and their fixture, run here on this module's model
+    alone,
+    test_batched_with_fifteen_others,
+    test_chunk_sizes,
+    test_preemption,
+    test_prefix_cache_on_and_warm,
+)
+from kvflow.config import ModelConfig
+from kvflow.executors.model_setup import load_model
+
+
+@pytest.fixture(scope="module")
+def tiny_packed(tiny_checkpoints):
+    return load_model(ModelConfig(model=str(tiny_checkpoints["llama"]), device="cpu", mode="exact",
+                                  quantization="int4"))
+
+
+@pytest.fixture(scope="module")
+def model(tiny_packed):
+    assert tiny_packed.plan.batch_invariant
+
+    def build(**extra):
+        return make_llm(tiny_packed, **{"kv_cache_dtype": "float16", "kv_cache_memory": 16 << 20, **extra})
+
+    return build

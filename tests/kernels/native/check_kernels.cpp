@@ -1,0 +1,232 @@
+// A self-contained check of kvflow's CPU kernels, for builds the Python tests cannot load: other
+// architectures (aarch64 under qemu-user) and other threading (the std::thread pool of csrc/threads.h).
+// Linked with the kernel sources and built with one tier's flags; tests/kernels/test_native_builds.py
+// compiles and runs it. Prints one line per check and exits non-zero on the first failure.
+//
+//   packed matmul   bitwise equal to a reference of its arithmetic written here (input digits, exact
+//                   integer block sums, the float epilogue), 4- and 8-bit codes, 1 to 9 rows, 1 and 2 threads
+//   paged attention every row against a double-precision softmax, float32 and float16 caches
+//   row ops         rms_scale and silu_mul against plain loops
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "kvflow_cpu.h"
+#include "row_ops.h"
+
+namespace {
+
+std::mt19937 rng(1234);
+
+float uniform(float lo, float hi) { return std::uniform_real_distribution<float>(lo, hi)(rng); }
+
+void fail(const char* what) {
+  std::printf("FAIL %s\n", what);
+  std::exit(1);
+}
+
+uint16_t half_bits(float x) {
+  const kvflow::float16 h = static_cast<kvflow::float16>(x);
+  uint16_t bits;
+  std::memcpy(&bits, &h, 2);
+  return bits;
+}
+
+float half_value(uint16_t bits) {
+  kvflow::float16 h;
+  std::memcpy(&h, &bits, 2);
+  return static_cast<float>(h);
+}
+
+// The layout of kvflow_cpu.h, from codes q [n, k] and float16 scales and offsets [n, k / 32].
+std::vector<uint8_t> pack(const std::vector<uint8_t>& q, const std::vector<uint16_t>& scale,
+                          const std::vector<uint16_t>& offset, int n, int k, int bits, bool has_offset) {
+  const int groups = (n + 15) / 16, blocks = k / 32, code = bits == 4 ? 256 : 512;
+  const int chunk = code + (has_offset ? 64 : 32);
+  std::vector<uint8_t> out(static_cast<size_t>(groups) * blocks * chunk, 0);
+  for (int g = 0; g < groups; ++g)
+    for (int b = 0; b < blocks; ++b) {
+      uint8_t* at = out.data() + (static_cast<size_t>(g) * blocks + b) * chunk;
+      for (int j = 0; j < 16; ++j) {
+        const int col = g * 16 + j;
+        if (col >= n) continue;
+        for (int i = 0; i < 32; ++i) {
+          const uint8_t c = q[static_cast<size_t>(col) * k + b * 32 + i];
+          if (bits == 4) {
+            uint8_t& byte = at[64 * (i / 8) + 4 * j + i % 4];
+            byte |= (i % 8) < 4 ? c : static_cast<uint8_t>(c << 4);
+          } else {
+            at[64 * (i / 4) + 4 * j + i % 4] = c;
+          }
+        }
+        std::memcpy(at + code + 2 * j, &scale[static_cast<size_t>(col) * blocks + b], 2);
+        if (has_offset) std::memcpy(at + code + 32 + 2 * j, &offset[static_cast<size_t>(col) * blocks + b], 2);
+      }
+    }
+  return out;
+}
+
+// What the packed matmul computes, written out plainly: digits per block of 32 inputs, exact integer
+// sums, then acc = fma(dot, scale * input scale, acc) and acc = fma(offset, input sum, acc) per block.
+float reference_output(const float* x, const std::vector<uint8_t>& q, const std::vector<uint16_t>& scale,
+                       const std::vector<uint16_t>& offset, int col, int k, bool has_offset) {
+  const int32_t kMaxInt = 32639;
+  float acc = 0.f;
+  for (int b = 0; b < k / 32; ++b) {
+    float amax = 0.f;
+    for (int i = 0; i < 32; ++i) amax = std::fabs(x[b * 32 + i]) > amax ? std::fabs(x[b * 32 + i]) : amax;
+    const float s = amax / kMaxInt, inv = amax > 0.f ? kMaxInt / amax : 0.f;
+    int64_t dot = 0, total = 0;
+    for (int i = 0; i < 32; ++i) {
+      int32_t v = static_cast<int32_t>(std::nearbyint(x[b * 32 + i] * inv));
+      v = v > kMaxInt ? kMaxInt : (v < -kMaxInt ? -kMaxInt : v);
+      dot += static_cast<int64_t>(q[static_cast<size_t>(col) * k + b * 32 + i]) * v;
+      total += v;
+    }
+    const size_t at = static_cast<size_t>(col) * (k / 32) + b;
+    acc = std::fma(static_cast<float>(static_cast<int32_t>(dot)), half_value(scale[at]) * s, acc);
+    if (has_offset) acc = std::fma(half_value(offset[at]), s * static_cast<float>(total), acc);
+  }
+  return acc;
+}
+
+void check_packed_matmul() {
+  KvflowTuning tuning{16, 8, 8};
+  kvflow_set_tuning(&tuning);
+  for (int bits : {4, 8})
+    for (bool has_offset : {true, false})
+      for (int n : {16, 40, 200}) {
+        const int k = 96;
+        std::vector<uint8_t> q(static_cast<size_t>(n) * k);
+        for (auto& c : q) c = static_cast<uint8_t>(rng() % (bits == 4 ? 16 : 256));
+        std::vector<uint16_t> scale(static_cast<size_t>(n) * k / 32), offset(scale.size());
+        for (size_t i = 0; i < scale.size(); ++i) {
+          scale[i] = half_bits(uniform(0.001f, 0.05f));
+          offset[i] = half_bits(uniform(-0.3f, 0.3f));
+        }
+        const std::vector<uint8_t> data = pack(q, scale, offset, n, k, bits, has_offset);
+        const KvflowPackedWeight w{data.data(), n, k, bits, has_offset ? 1 : 0};
+        for (int m : {1, 2, 3, 5, 9})
+          for (int threads : {1, 2}) {
+            std::vector<float> x(static_cast<size_t>(m) * k), y(static_cast<size_t>(m) * n, NAN);
+            for (auto& v : x) v = uniform(-4.f, 4.f);
+            if (kvflow_packed_matmul(&w, x.data(), k, m, y.data(), n, threads) != 0) fail("packed matmul refused");
+            for (int r = 0; r < m; ++r)
+              for (int c = 0; c < n; ++c) {
+                const float want = reference_output(x.data() + r * k, q, scale, offset, c, k, has_offset);
+                if (std::memcmp(&want, &y[static_cast<size_t>(r) * n + c], 4) != 0) {
+                  std::printf("bits %d offset %d n %d m %d threads %d row %d col %d: %.9g != %.9g\n", bits,
+                              has_offset, n, m, threads, r, c, y[static_cast<size_t>(r) * n + c], want);
+                  fail("packed matmul differs from its reference");
+                }
+              }
+          }
+      }
+  std::printf("ok packed matmul (path %d): bitwise equal to the reference\n", kvflow_packed_matmul_path());
+}
+
+template <typename T>
+void check_attention(int cache_dtype, const char* name) {
+  const int hkv = 2, group = 3, hq = hkv * group, d = 64, block = 16;
+  const int seqs = 3, context[seqs] = {37, 300, 5}, qlen[seqs] = {1, 7, 5};  // decode, chunk after context, prompt
+  int total_blocks = 0;
+  std::vector<int32_t> tables;
+  const int width = 20;
+  for (int b = 0; b < seqs; ++b)
+    for (int i = 0; i < width; ++i) tables.push_back(i < (context[b] + block - 1) / block ? total_blocks++ : 0);
+  std::vector<T> k_cache(static_cast<size_t>(total_blocks) * block * hkv * d), v_cache(k_cache.size());
+  std::vector<float> k_ref(k_cache.size()), v_ref(k_cache.size());
+  for (size_t i = 0; i < k_cache.size(); ++i) {
+    const float kv = uniform(-1.f, 1.f), vv = uniform(-1.f, 1.f);
+    kvflow::narrow(kv, &k_cache[i]);
+    kvflow::narrow(vv, &v_cache[i]);
+    k_ref[i] = kvflow::widen(k_cache[i]);
+    v_ref[i] = kvflow::widen(v_cache[i]);
+  }
+  std::vector<int32_t> query_start{0}, seq_lens;
+  std::vector<int64_t> slots;
+  for (int b = 0; b < seqs; ++b) {
+    query_start.push_back(query_start.back() + qlen[b]);
+    seq_lens.push_back(context[b]);
+    for (int p = context[b] - qlen[b]; p < context[b]; ++p)
+      slots.push_back(static_cast<int64_t>(tables[b * width + p / block]) * block + p % block);
+  }
+  const int rows = query_start.back();
+  std::vector<float> q(static_cast<size_t>(rows) * hq * d), k_new(static_cast<size_t>(rows) * hkv * d), v_new(k_new.size());
+  for (auto& v : q) v = uniform(-1.f, 1.f);
+  for (size_t i = 0; i < k_new.size(); ++i) k_new[i] = uniform(-1.f, 1.f), v_new[i] = uniform(-1.f, 1.f);
+  for (int t = 0; t < rows; ++t)  // the reference sees the new rows as the cache will store them
+    for (int i = 0; i < hkv * d; ++i) {
+      T kt, vt;
+      kvflow::narrow(k_new[t * hkv * d + i], &kt);
+      kvflow::narrow(v_new[t * hkv * d + i], &vt);
+      k_ref[slots[t] * hkv * d + i] = kvflow::widen(kt);
+      v_ref[slots[t] * hkv * d + i] = kvflow::widen(vt);
+    }
+  const float scale = 0.125f;
+  KvflowAttention layer{k_cache.data(), v_cache.data(), cache_dtype, block, hq, hkv, d, scale};
+  KvflowStep step{slots.data(), query_start.data(), seq_lens.data(), tables.data(), width, seqs, rows};
+  KvflowRows in{q.data(), hq * d, k_new.data(), hkv * d, v_new.data(), hkv * d};
+  std::vector<float> out(static_cast<size_t>(rows) * hq * d, NAN);
+  for (int threads : {1, 2}) {
+    if (kvflow_paged_attention(&layer, &step, &in, out.data(), hq * d, 1, threads) != 0) fail("attention refused");
+    for (int b = 0; b < seqs; ++b)
+      for (int r = 0; r < qlen[b]; ++r) {
+        const int row = query_start[b] + r, seen = context[b] - qlen[b] + r + 1;
+        for (int h = 0; h < hq; ++h) {
+          std::vector<double> w(seen);
+          double m = -1e300, total = 0;
+          for (int p = 0; p < seen; ++p) {
+            const int64_t slot = static_cast<int64_t>(tables[b * width + p / block]) * block + p % block;
+            double s = 0;
+            for (int i = 0; i < d; ++i) s += q[(row * hq + h) * d + i] * k_ref[(slot * hkv + h / group) * d + i];
+            w[p] = s * scale;
+            m = w[p] > m ? w[p] : m;
+          }
+          for (int p = 0; p < seen; ++p) total += (w[p] = std::exp(w[p] - m));
+          for (int i = 0; i < d; ++i) {
+            double want = 0;
+            for (int p = 0; p < seen; ++p) {
+              const int64_t slot = static_cast<int64_t>(tables[b * width + p / block]) * block + p % block;
+              want += w[p] / total * v_ref[(slot * hkv + h / group) * d + i];
+            }
+            const double got = out[(static_cast<size_t>(row) * hq + h) * d + i];
+            if (!(std::fabs(got - want) <= 2e-5 + 2e-5 * std::fabs(want))) {
+              std::printf("%s row %d head %d dim %d: %.7g != %.7g\n", name, row, h, i, got, want);
+              fail("paged attention differs from the reference");
+            }
+          }
+        }
+      }
+  }
+  std::printf("ok paged attention, %s cache: every row within 2e-5 of a double softmax\n", name);
+}
+
+void check_row_ops() {
+  std::vector<float> x(77), gate(77), up(77), got(77);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = uniform(-3.f, 3.f), gate[i] = uniform(-9.f, 9.f), up[i] = uniform(-2.f, 2.f);
+  double ss = 0;
+  for (float v : x) ss += static_cast<double>(v) * v;
+  const double want = 1.0 / std::sqrt(ss / x.size() + 1e-5);
+  if (std::fabs(kvflow::rms_scale(x.data(), 77, 1e-5f) - want) > 1e-5 * want) fail("rms_scale");
+  kvflow::silu_mul(gate.data(), up.data(), got.data(), 77);
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double s = gate[i] / (1.0 + std::exp(-static_cast<double>(gate[i]))) * up[i];
+    if (std::fabs(got[i] - s) > 1e-5 + 2e-6 * std::fabs(s)) fail("silu_mul");
+  }
+  std::printf("ok row ops: rms_scale and silu_mul\n");
+}
+
+}  // namespace
+
+int main() {
+  check_packed_matmul();
+  check_attention<float>(0, "float32");
+  check_attention<kvflow::float16>(2, "float16");
+  check_row_ops();
+  std::printf("all kernels ok\n");
+  return 0;
+}
