@@ -108,11 +108,13 @@ def peak_rss_mib(pid: int) -> float:
 
 
 def run_load(base_url: str, label: str, concurrency: int, num_prompts: int, out_dir: Path) -> dict:
+    """One load; its prompts are seeded by the concurrency, so the c8 load does not repeat the c1 load's
+    prompts (which a prefix cache would then serve from memory) and both servers get the same ones."""
     out = out_dir / f"serve_{label}_c{concurrency}.json"
     subprocess.run(
         [sys.executable, "-m", "kvflow", "bench", "serve", "--base-url", base_url, "--label", label,
          "--concurrency", str(concurrency), "--num-prompts", str(num_prompts), "--input-len", "200",
-         "--output-len", "128", "--no-progress", "--out", str(out)],
+         "--output-len", "128", "--seed", str(concurrency), "--no-progress", "--out", str(out)],
         check=True,
     )
     return json.loads(out.read_text())["summary"]

@@ -3,7 +3,9 @@ logits out); the rest goes through the PyTorch layers (executors/layers.py).
 
 Per step it decides how the native decoder multiplies, from the thresholds table: on the packed-integer
 kernel, or, for steps of many rows where the plan made bfloat16 copies, on those copies through oneDNN
-(the C++ forward calls back for each matmul, the only Python it runs in the step).
+(the C++ forward calls back for each matmul, the only Python it runs in the step); and whether the packed
+kernel's inputs are 16-bit (short prompts, decode at batch 1) or 8-bit (decode steps of many sequences
+and long prompts, where the integer work bounds the step).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ class CpuFastExecutor(LayersExecutor):
         self.native: NativeModel | None = loaded.native
         self.forward_native = abi.native().kvflow_decoder_forward if self.native is not None else None
         self.dense_min_rows = ROW_THRESHOLDS.native_dense_min_rows
+        self.eight_bit_min_rows = ROW_THRESHOLDS.eight_bit_min_rows(loaded.plan.cpu_tier)
+        self.eight_bit_prompt_min_rows = ROW_THRESHOLDS.eight_bit_prompt_min_rows
         # Prompt chunks' attention on AMX tiles (csrc/prefill_attention_amx.cpp takes head sizes 64 and 128).
         head_dim = loaded.arch.head_dim
         self.prompt_tiles = (loaded.plan.cpu_tier == "amx" and head_dim in (64, 128)
@@ -44,12 +48,16 @@ class CpuFastExecutor(LayersExecutor):
                               table_stride=meta.block_tables.stride(0), num_seqs=len(meta.seq_lens_cpu),
                               num_tokens=rows)
         dense = self._dense_buffers(rows) if rows >= self.dense_min_rows and native.dense_t is not None else None
+        has_prompt_rows = rows > len(meta.seq_lens_cpu)
+        eight_bit = 0 < self.eight_bit_min_rows and rows >= (
+            self.eight_bit_prompt_min_rows if has_prompt_rows else self.eight_bit_min_rows)
         hidden = torch.empty(rows, self.model.arch.hidden_size)
         picked = inputs.logits_indices
         logits = torch.empty(picked.shape[0], self.vocab_size) if native.head_packed else hidden
         rc = self.forward_native(
             model=ctypes.byref(native.struct), step=ctypes.byref(step), ids=inputs.input_ids.data_ptr(),
             positions=inputs.positions.data_ptr(), rows=rows, dense=None if dense is None else ctypes.byref(dense),
+            input_bits=8 if eight_bit else 16,
             logit_rows=picked.data_ptr(), num_logits=picked.shape[0] if native.head_packed else 0,
             logits=logits.data_ptr(), hidden=hidden.data_ptr(), num_threads=torch.get_num_threads())
         self._dense_io = None

@@ -33,6 +33,22 @@ class RowThresholds:
     # waking the team costs more than a decode step's passes take. How: a step's time at 1 to 64 rows with
     # the passes on one thread and on the team. The result is the same either way.
     parallel_min_rows: int = 8
+    # Native decoder, fast mode only: decode steps of this many sequences or more quantize the packed
+    # matmuls' inputs to 8 bits per block of 32 (as llama.cpp's q8 activations) instead of 16, per tier;
+    # 0 never does. Halves the integer work where a step is compute-bound; a token's logits then depend on
+    # its step's batch, which the exact mode never allows. AMX keeps 16 bits (its tiles are fast enough).
+    # How: a whole native step both ways at 1 to 512 rows on each tier, and greedy text against the exact
+    # mode (benchmarks/RESULTS.md, "8-bit inputs").
+    eight_bit_min_rows_by_tier: tuple[tuple[str, int], ...] = (
+        ("generic", 2), ("avx2", 2), ("neon", 2), ("avx512", 8), ("amx", 0))
+    # The same for steps that hold prompt rows, on the tiers above that take 8-bit inputs at all: long
+    # prompts, where prefill time is felt (TTFT, waves of arrivals), not a short chat turn's, which takes
+    # milliseconds either way and keeps 16-bit inputs (8-bit ones flip the default model's answer to "What
+    # is the capital of France?" from Paris to llama.cpp's own "L'Étoile").
+    eight_bit_prompt_min_rows: int = 128
+
+    def eight_bit_min_rows(self, tier: str) -> int:
+        return dict(self.eight_bit_min_rows_by_tier).get(tier, 0)
 
     def kernel_tuning(self) -> abi.KvflowTuning:
         return abi.KvflowTuning(packed_amx_min_rows=self.packed_amx_min_rows,

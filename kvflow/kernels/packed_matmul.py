@@ -139,16 +139,18 @@ def path() -> str | None:
     return None if native is None else PATHS[native.kvflow_packed_matmul_path()]
 
 
-def refine_top(x: torch.Tensor, pw: PackedWeight, y: torch.Tensor, block_abs_sum: torch.Tensor) -> int:
-    """In place, y = matmul(x, pw): every y[r, j] within two error bounds of row r's largest becomes the exact
-    x[r] . w[j] (double sums over the stored codes), so each row's argmax is the exact product's.
-    block_abs_sum: float32 [k // 32], per block the largest sum of |w| over a row. Returns how many changed."""
+def refine_top(x: torch.Tensor, pw: PackedWeight, y: torch.Tensor, block_abs_sum: torch.Tensor,
+               input_bits: int = 16) -> int:
+    """In place, y = matmul(x, pw, input_bits=...): every y[r, j] within two error bounds of row r's largest
+    becomes the exact x[r] . w[j] (double sums over the stored codes), so each row's argmax is the exact
+    product's. block_abs_sum: float32 [k // 32], per block the largest sum of |w| over a row. Returns how
+    many changed."""
     if not (x.dtype == y.dtype == block_abs_sum.dtype == torch.float32) or y.stride(-1) != 1 or x.stride(-1) != 1:
         raise ValueError("refine_top takes float32 rows")
     sums = block_abs_sum.contiguous()
     return abi.native().kvflow_packed_refine_top(
         w=ctypes.byref(pw.struct), x=x.data_ptr(), x_stride=x.stride(0), m=x.shape[0], y=y.data_ptr(),
-        y_stride=y.stride(0), block_abs_sum=sums.data_ptr())
+        y_stride=y.stride(0), block_abs_sum=sums.data_ptr(), input_bits=input_bits)
 
 
 def rows(pw: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
@@ -162,8 +164,9 @@ def rows(pw: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
     return out.view(*ids.shape, pw.k)
 
 
-def matmul(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x float32 [M, k] (rows may be strided) -> float32 [M, n]."""
+def matmul(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None, input_bits: int = 16) -> torch.Tensor:
+    """x float32 [M, k] (rows may be strided) -> float32 [M, n]; the inputs are quantized per block of 32 to
+    input_bits-bit integers (16: an error of 2^-16 of the block's largest input; 8: 2^-8, half the work)."""
     if x.dtype != torch.float32 or x.stride(-1) != 1 or x.dim() != 2 or x.shape[1] != pw.k:
         raise ValueError(f"packed matmul takes float32 [M, {pw.k}] rows, got {x.dtype} {tuple(x.shape)}")
     y = torch.empty(x.shape[0], pw.n) if out is None else out
@@ -171,7 +174,8 @@ def matmul(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None) -
         return y
     rc = abi.native().kvflow_packed_matmul(w=ctypes.byref(pw.struct), x=x.data_ptr(), x_stride=x.stride(0),
                                            m=x.shape[0], y=y.data_ptr(), y_stride=y.stride(0),
-                                           num_threads=torch.get_num_threads())
+                                           input_bits=input_bits, num_threads=torch.get_num_threads())
     if rc != 0:
-        raise RuntimeError("the packed matmul kernel refused the weight (k must be a multiple of 32, 4 or 8 bits)")
+        raise RuntimeError("the packed matmul kernel refused its input (k a multiple of 32, 4- or 8-bit codes, "
+                           "8- or 16-bit inputs)")
     return y

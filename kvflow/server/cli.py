@@ -48,13 +48,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvflow.config import engine_config
-    from kvflow.engine.async_engine import AsyncEngine
+    from kvflow.engine.async_engine import AsyncEngine, build_off_the_main_thread
     from kvflow.engine.engine import LLMEngine
     from kvflow.loader.resolve import DEFAULT_MODEL
     from kvflow.server.app import create_app
     from kvflow.server.serving import ServerSettings
 
-    engine = LLMEngine(engine_config(**engine_options(args)))
+    options = engine_config(**engine_options(args))
+    engine = build_off_the_main_thread(lambda: LLMEngine(options))
     loaded = engine.loaded
     name = args.served_model_name or loaded.resolved.name
     aliases = {loaded.resolved.name, args.model or DEFAULT_MODEL}

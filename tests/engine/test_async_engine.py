@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
 from kvflow.config import engine_config
-from kvflow.engine.async_engine import AsyncEngine, EngineDeadError
+from kvflow.engine.async_engine import AsyncEngine, EngineDeadError, build_off_the_main_thread
 from kvflow.engine.engine import LLMEngine
 from kvflow.sampling_params import SamplingParams
 
@@ -148,3 +150,30 @@ def test_shutdown_refuses_new_requests(tiny_model_dir):
 
     with pytest.raises(EngineDeadError):
         asyncio.run(run())
+
+
+def test_building_off_the_main_thread_returns_the_engine_or_raises_its_error():
+    seen = []
+    assert build_off_the_main_thread(lambda: seen.append(threading.current_thread()) or 7) == 7
+    assert seen[0] is not threading.main_thread()
+    with pytest.raises(FileNotFoundError, match="no such model"):
+        build_off_the_main_thread(lambda: (_ for _ in ()).throw(FileNotFoundError("no such model")))
+
+
+def test_building_off_the_main_thread_leaves_no_openmp_pool_behind():
+    """The load's OpenMP workers end with its thread (in a fresh process, so no earlier test's pool is
+    there): the engine thread's pool will be the only one, and libgomp keeps it spinning."""
+    code = (
+        "import os, time, torch\n"
+        "from kvflow.engine.async_engine import build_off_the_main_thread\n"
+        "torch.set_num_threads(2)\n"
+        "before = len(os.listdir('/proc/self/task'))\n"
+        "build_off_the_main_thread(lambda: (torch.randn(1024, 1024) @ torch.randn(1024, 1024)).sum())\n"
+        "time.sleep(0.2)\n"
+        "after = len(os.listdir('/proc/self/task'))\n"
+        "(torch.randn(1024, 1024) @ torch.randn(1024, 1024)).sum()\n"
+        "print(before, after, len(os.listdir('/proc/self/task')))\n")
+    before, after, with_pool = map(int, subprocess.run([sys.executable, "-c", code], capture_output=True,
+                                                       text=True, check=True).stdout.split())
+    assert after == before
+    assert with_pool > before  # the check can see a pool: one started on this thread stays

@@ -97,7 +97,7 @@ Buffers& buffers(const Shape& s, int rows) {
 
 // Every layer on the packed kernel, float32 throughout.
 int packed_layers(const KvflowDecoder& m, const KvflowStep& step, const int64_t* positions, int rows, float* hidden,
-                  int threads) {
+                  int bits, int threads) {
   const Shape s(m);
   Buffers& b = buffers(s, rows);
   // hidden += proj, then normed = norm(hidden), per row.
@@ -110,7 +110,7 @@ int packed_layers(const KvflowDecoder& m, const KvflowStep& step, const int64_t*
   for (int l = 0; l < m.num_layers; ++l) {
     const KvflowDecoderLayer& layer = m.layers[l];
     add_norm(l == 0 ? nullptr : b.proj.data(), layer.input_norm);
-    if (kvflow_packed_matmul(&layer.qkv, b.normed.data(), s.h, rows, b.qkv.data(), s.qkv_size, threads)) return -1;
+    if (kvflow_packed_matmul(&layer.qkv, b.normed.data(), s.h, rows, b.qkv.data(), s.qkv_size, bits, threads)) return -1;
     each_row(rows, threads, [&](int r) {
       float* row = b.qkv.data() + static_cast<int64_t>(r) * s.qkv_size;
       finish_qkv<float>(m, layer, s, row, row, positions[r]);
@@ -118,15 +118,16 @@ int packed_layers(const KvflowDecoder& m, const KvflowStep& step, const int64_t*
     const float* q = b.qkv.data();
     const KvflowRows qkv{q, s.qkv_size, q + s.q_size, s.qkv_size, q + s.q_size + s.kv_size, s.qkv_size};
     if (kvflow_paged_attention(&layer.attention, &step, &qkv, b.attn.data(), s.q_size, 1, threads)) return -1;
-    if (kvflow_packed_matmul(&layer.o, b.attn.data(), s.q_size, rows, b.proj.data(), s.h, threads)) return -1;
+    if (kvflow_packed_matmul(&layer.o, b.attn.data(), s.q_size, rows, b.proj.data(), s.h, bits, threads)) return -1;
     add_norm(b.proj.data(), layer.post_norm);
-    if (kvflow_packed_matmul(&layer.gate_up, b.normed.data(), s.h, rows, b.gate_up.data(), 2 * s.inter, threads))
+    if (kvflow_packed_matmul(&layer.gate_up, b.normed.data(), s.h, rows, b.gate_up.data(), 2 * s.inter, bits,
+                             threads))
       return -1;
     each_row(rows, threads, [&](int r) {
       const float* gu = b.gate_up.data() + static_cast<int64_t>(r) * 2 * s.inter;
       kvflow::silu_mul(gu, gu + s.inter, b.act.data() + static_cast<int64_t>(r) * s.inter, s.inter);
     });
-    if (kvflow_packed_matmul(&layer.down, b.act.data(), s.inter, rows, b.proj.data(), s.h, threads)) return -1;
+    if (kvflow_packed_matmul(&layer.down, b.act.data(), s.inter, rows, b.proj.data(), s.h, bits, threads)) return -1;
   }
   each_row(rows, threads, [&](int r) {
     const int64_t at = static_cast<int64_t>(r) * s.h;
@@ -196,8 +197,8 @@ int dense_layers(const KvflowDecoder& m, const KvflowStep& step, const int64_t* 
 
 extern "C" int32_t kvflow_decoder_forward(const KvflowDecoder* model, const KvflowStep* step, const int64_t* ids,
                                           const int64_t* positions, int32_t rows, const KvflowDense* dense,
-                                          const int64_t* logit_rows, int32_t num_logits, float* logits, float* hidden,
-                                          int32_t num_threads) {
+                                          int32_t input_bits, const int64_t* logit_rows, int32_t num_logits,
+                                          float* logits, float* hidden, int32_t num_threads) {
   const KvflowDecoder& m = *model;
   for (int r = 0; r < rows; ++r) {  // refuse before anything is written
     if (positions[r] < 0 || positions[r] >= m.max_positions) return -2;
@@ -210,15 +211,16 @@ extern "C" int32_t kvflow_decoder_forward(const KvflowDecoder* model, const Kvfl
       std::memcpy(hidden + static_cast<int64_t>(r) * m.hidden, m.embedding_f32 + ids[r] * m.hidden, sizeof(float) * m.hidden);
   }
   const int rc = dense ? dense_layers(m, *step, positions, rows, hidden, *dense, num_threads)
-                       : packed_layers(m, *step, positions, rows, hidden, num_threads);
+                       : packed_layers(m, *step, positions, rows, hidden, input_bits, num_threads);
   if (rc || num_logits == 0 || !m.head.data) return rc;
   thread_local std::vector<float> picked;  // the sampled rows, side by side
   picked.resize(static_cast<size_t>(num_logits) * m.hidden);
   for (int i = 0; i < num_logits; ++i)
     std::memcpy(picked.data() + static_cast<int64_t>(i) * m.hidden, hidden + logit_rows[i] * m.hidden,
                 sizeof(float) * m.hidden);
-  if (kvflow_packed_matmul(&m.head, picked.data(), m.hidden, num_logits, logits, m.head.n, num_threads)) return -1;
+  if (kvflow_packed_matmul(&m.head, picked.data(), m.hidden, num_logits, logits, m.head.n, input_bits, num_threads))
+    return -1;
   if (m.head_abs_sum)
-    kvflow_packed_refine_top(&m.head, picked.data(), m.hidden, num_logits, logits, m.head.n, m.head_abs_sum);
+    kvflow_packed_refine_top(&m.head, picked.data(), m.hidden, num_logits, logits, m.head.n, m.head_abs_sum, input_bits);
   return 0;
 }

@@ -42,17 +42,18 @@ void kvflow_set_tuning(const KvflowTuning* tuning);
 int32_t kvflow_packed_matmul_path(void);
 
 // y[m, n] = x[m, k] @ w^T, rows independent: a row's result is bitwise the same whatever m and the thread
-// count. x is quantized per block of 32 to 16-bit integers (see packed_matmul.cpp); sums are exact integers
-// per block, then float32. Returns -1 when this build cannot run it.
+// count. x is quantized per block of 32 to input_bits-bit integers, 16 (two digits; an error of 2^-16 of
+// the block's largest input) or 8 (one digit, half the integer work; 2^-8); sums are exact integers per
+// block, then float32. Returns -1 for a weight or input_bits it does not take.
 int32_t kvflow_packed_matmul(const KvflowPackedWeight* w, const float* x, int64_t x_stride, int32_t m, float* y,
-                             int64_t y_stride, int32_t num_threads);
+                             int64_t y_stride, int32_t input_bits, int32_t num_threads);
 
-// For each row of y = x @ w^T from kvflow_packed_matmul: every output within two error bounds of the row's
-// largest is recomputed exactly (double sums over the stored codes), so the row's argmax is the exact
-// product's. The bound (PackedLinear.error_bound) needs block_abs_sum[b], the largest sum of |w| over
-// block b of an output row. Returns how many outputs were recomputed.
+// For each row of y = x @ w^T from kvflow_packed_matmul with these input_bits: every output within two
+// error bounds of the row's largest is recomputed exactly (double sums over the stored codes), so the row's
+// argmax is the exact product's. The bound (PackedLinear.error_bound) needs block_abs_sum[b], the largest
+// sum of |w| over block b of an output row. Returns how many outputs were recomputed.
 int32_t kvflow_packed_refine_top(const KvflowPackedWeight* w, const float* x, int64_t x_stride, int32_t m, float* y,
-                                 int64_t y_stride, const float* block_abs_sum);
+                                 int64_t y_stride, const float* block_abs_sum, int32_t input_bits);
 
 // Rows ids[0..count) of w (output features), dequantized exactly as float32 into out [count, k].
 void kvflow_packed_rows(const KvflowPackedWeight* w, const int64_t* ids, int32_t count, float* out);
@@ -150,11 +151,12 @@ struct KvflowDecoder {
 
 // One step: token ids -> final-norm hidden states [rows, hidden] (hidden) and, when the head is packed,
 // the logits of rows logit_rows[0 .. num_logits) into logits [num_logits, vocab], their best entries
-// recomputed exactly. dense: null, or the many-row matmuls' buffers. Returns 0; -1 for a weight or shape
+// recomputed exactly. dense: null, or the many-row matmuls' buffers. input_bits: 16 or 8, how finely the
+// packed matmuls (the head's included) quantize their inputs (kvflow_packed_matmul). Returns 0; -1 for a weight or shape
 // a kernel refused; -2 for a position past the rotary table and -4 for a token id outside the vocabulary
 // (both before anything is written); -3 when dense->matmul failed.
 int32_t kvflow_decoder_forward(const KvflowDecoder* model, const KvflowStep* step, const int64_t* ids,
                                const int64_t* positions, int32_t rows, const KvflowDense* dense,
-                               const int64_t* logit_rows, int32_t num_logits, float* logits, float* hidden,
-                               int32_t num_threads);
+                               int32_t input_bits, const int64_t* logit_rows, int32_t num_logits, float* logits,
+                               float* hidden, int32_t num_threads);
 }

@@ -11,6 +11,7 @@
 #include <immintrin.h>
 
 #include <cstring>
+#include <type_traits>
 
 #include "packed_common.h"
 
@@ -58,14 +59,50 @@ inline void quantize_row(const float* x, int64_t k, int8_t* hi, int8_t* lo, floa
   }
 }
 
+// 8-bit inputs (one digit): quantize_row8_scalar's arithmetic, 8 inputs at a time.
+inline void quantize_row8(const float* x, int64_t k, int8_t* digits, float* scale, float* sum) {
+  const __m256 sign_off = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256i lim = _mm256_set1_epi32(kMaxInt8), neg = _mm256_set1_epi32(-kMaxInt8);
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const float* xb = x + b * kBlock;
+    __m256 v[4];
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(xb + 8 * i);
+      m = _mm256_max_ps(m, _mm256_and_ps(v[i], sign_off));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const float s = amax / kMaxInt8;
+    const __m256 inv = _mm256_set1_ps(amax > 0.f ? kMaxInt8 / amax : 0.f);
+    __m256i q[4], total = _mm256_setzero_si256();
+    for (int i = 0; i < 4; ++i) {
+      q[i] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)), lim), neg);
+      total = _mm256_add_epi32(total, q[i]);
+    }
+    // int32 -> int8, in order: pack to 16 bits (per 128-bit lane), then to 8, then undo the lane interleave.
+    const __m256i w01 = _mm256_packs_epi32(q[0], q[1]), w23 = _mm256_packs_epi32(q[2], q[3]);
+    const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(digits + b * kBlock), bytes);
+    alignas(32) int32_t t32[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(t32), total);
+    int32_t sum_q = 0;
+    for (int j = 0; j < 8; ++j) sum_q += t32[j];
+    scale[b] = s;
+    sum[b] = s * static_cast<float>(sum_q);
+  }
+}
+
 inline __m256i broadcast4(const int8_t* p) {  // four input digits, in every 32-bit lane
   int32_t v;
   std::memcpy(&v, p, 4);
   return _mm256_set1_epi32(v);
 }
 
-// Columns 16 g + 8 half .. + 8 of group g for M rows, H halves (1 or 2) from `half` on.
-template <int M, int H>
+// Columns 16 g + 8 half .. + 8 of group g for M rows, H halves (1 or 2) from `half` on. Two: two input
+// digits (16-bit inputs), else one (8-bit).
+template <int M, int H, bool Two>
 void tile(const KvflowPackedWeight& w, int64_t g, int half, const Rows& rows, float* y, int64_t y_stride) {
   const int64_t nb = w.k / kBlock;
   const size_t chunk = chunk_bytes(w), codes_end = code_bytes(w);
@@ -78,21 +115,28 @@ void tile(const KvflowPackedWeight& w, int64_t g, int half, const Rows& rows, fl
   for (int64_t b = 0; b < nb; ++b) {
     const size_t at = static_cast<size_t>(b) * chunk;
     if (half == 0) prefetch_ahead(base + at, chunk);
-    // 16-bit sums over the block: [digit][nibble] (nibble 1: the high nibbles of 8-bit codes)
+    // 16-bit sums over the block: [digit][nibble] (nibble 1: the high nibbles of 8-bit codes). Every index
+    // is a compile-time constant, so the sums stay in registers (a run-time nibble index put them on the
+    // stack, and the kernel ran at half speed).
     __m256i s16[M][H][2][2];
     for (int r = 0; r < M; ++r)
       for (int h = 0; h < H; ++h)
         for (int d = 0; d < 2; ++d) s16[r][h][d][0] = s16[r][h][d][1] = _mm256_setzero_si256();
-    auto step = [&](int quad, int nibble, const __m256i* codes) {  // codes[h]: 8 columns x 4 inputs
+    auto step = [&](int quad, auto nibble_constant, const __m256i* codes) {  // codes[h]: 8 columns x 4 inputs
+      constexpr int nibble = decltype(nibble_constant)::value;
       for (int r = 0; r < M; ++r) {
         const __m256i xh = broadcast4(rows.hi + r * rows.stride + b * kBlock + 4 * quad);
-        const __m256i xl = broadcast4(rows.lo + r * rows.stride + b * kBlock + 4 * quad);
-        for (int h = 0; h < H; ++h) {
+        for (int h = 0; h < H; ++h)
           s16[r][h][0][nibble] = _mm256_add_epi16(s16[r][h][0][nibble], _mm256_maddubs_epi16(codes[h], xh));
-          s16[r][h][1][nibble] = _mm256_add_epi16(s16[r][h][1][nibble], _mm256_maddubs_epi16(codes[h], xl));
+        if constexpr (Two) {
+          const __m256i xl = broadcast4(rows.lo + r * rows.stride + b * kBlock + 4 * quad);
+          for (int h = 0; h < H; ++h)
+            s16[r][h][1][nibble] = _mm256_add_epi16(s16[r][h][1][nibble], _mm256_maddubs_epi16(codes[h], xl));
         }
       }
     };
+    constexpr std::integral_constant<int, 0> low;
+    constexpr std::integral_constant<int, 1> high;
     if (four_bit) {
       for (int row = 0; row < 4; ++row) {  // low nibbles are inputs 8 row .. +3, high ones +4 .. +7
         __m256i lo[H], hi[H];
@@ -101,8 +145,8 @@ void tile(const KvflowPackedWeight& w, int64_t g, int half, const Rows& rows, fl
           lo[h] = _mm256_and_si256(v, low_nibble);
           hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibble);
         }
-        step(2 * row, 0, lo);
-        step(2 * row + 1, 0, hi);
+        step(2 * row, low, lo);
+        step(2 * row + 1, low, hi);
       }
     } else {
       for (int row = 0; row < 8; ++row) {  // code c = 16 (c >> 4) + (c & 15): each nibble on its own
@@ -112,8 +156,8 @@ void tile(const KvflowPackedWeight& w, int64_t g, int half, const Rows& rows, fl
           lo[h] = _mm256_and_si256(v, low_nibble);
           hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibble);
         }
-        step(row, 0, lo);
-        step(row, 1, hi);
+        step(row, low, lo);
+        step(row, high, hi);
       }
     }
     for (int h = 0; h < H; ++h) {
@@ -122,12 +166,14 @@ void tile(const KvflowPackedWeight& w, int64_t g, int half, const Rows& rows, fl
       const __m256 offset =
           has_offset ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32))) : _mm256_setzero_ps();
       for (int r = 0; r < M; ++r) {
-        __m256i dot_h = _mm256_madd_epi16(s16[r][h][0][0], ones), dot_l = _mm256_madd_epi16(s16[r][h][1][0], ones);
-        if (!four_bit) {
-          dot_h = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(s16[r][h][0][1], ones), 4), dot_h);
-          dot_l = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(s16[r][h][1][1], ones), 4), dot_l);
+        __m256i dot_h = _mm256_madd_epi16(s16[r][h][0][0], ones);
+        if (!four_bit) dot_h = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(s16[r][h][0][1], ones), 4), dot_h);
+        __m256i dot = dot_h;
+        if constexpr (Two) {
+          __m256i dot_l = _mm256_madd_epi16(s16[r][h][1][0], ones);
+          if (!four_bit) dot_l = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(s16[r][h][1][1], ones), 4), dot_l);
+          dot = _mm256_add_epi32(_mm256_slli_epi32(dot_h, 8), dot_l);
         }
-        const __m256i dot = _mm256_add_epi32(_mm256_slli_epi32(dot_h, 8), dot_l);
         const __m256 col_scale = _mm256_mul_ps(scale, _mm256_set1_ps(rows.scale[r * rows.blocks + b]));
         acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), col_scale, acc[r][h]);
         if (has_offset) acc[r][h] = _mm256_fmadd_ps(offset, _mm256_set1_ps(rows.sum[r * rows.blocks + b]), acc[r][h]);
@@ -153,21 +199,36 @@ void tile(const KvflowPackedWeight& w, int64_t g, int half, const Rows& rows, fl
 }  // namespace avx2
 
 struct Avx2 {
-  static constexpr int kRows = 2;
+  static constexpr int kRows = 4;
   static void quantize_row(const float* x, int64_t k, int8_t* hi, int8_t* lo, float* scale, float* sum) {
     avx2::quantize_row(x, k, hi, lo, scale, sum);
   }
-  // Groups [g_lo, g_hi) for M rows: both halves of a group at once where the 16 registers allow (one row
-  // of 4-bit codes), else one half at a time.
+  static void quantize_row8(const float* x, int64_t k, int8_t* digits, float* scale, float* sum) {
+    avx2::quantize_row8(x, k, digits, scale, sum);
+  }
   template <int M>
   static void rows_block(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y,
                          int64_t ys) {
+    if (!rows.lo) return blocks<M, false>(w, g_lo, g_hi, rows, y, ys);
+    // Two digits need twice the accumulators: at most two rows a pass in the 16 registers.
+    if constexpr (M > 2) {
+      blocks<2, true>(w, g_lo, g_hi, rows, y, ys);
+      blocks<M - 2, true>(w, g_lo, g_hi, rows.from(2), y + 2 * ys, ys);
+    } else {
+      blocks<M, true>(w, g_lo, g_hi, rows, y, ys);
+    }
+  }
+  // Groups [g_lo, g_hi) for M rows: both halves of a group at once where the registers allow (one row of
+  // 4-bit codes), else one half at a time.
+  template <int M, bool Two>
+  static void blocks(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y,
+                     int64_t ys) {
     for (int64_t g = g_lo; g < g_hi; ++g) {
       if (M == 1 && w.bits == 4) {
-        avx2::tile<1, 2>(w, g, 0, rows, y, ys);
+        avx2::tile<1, 2, Two>(w, g, 0, rows, y, ys);
       } else {
-        avx2::tile<M, 1>(w, g, 0, rows, y, ys);
-        avx2::tile<M, 1>(w, g, 1, rows, y, ys);
+        avx2::tile<M, 1, Two>(w, g, 0, rows, y, ys);
+        avx2::tile<M, 1, Two>(w, g, 1, rows, y, ys);
       }
     }
   }

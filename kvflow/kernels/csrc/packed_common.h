@@ -15,6 +15,7 @@ namespace kvflow::packed {
 
 constexpr int kBlock = 32;
 constexpr int32_t kMaxInt = 32639;  // |x| <= this keeps the high digit h = (x + 128) >> 8 within a signed byte
+constexpr int32_t kMaxInt8 = 127;   // 8-bit inputs: one signed digit
 // How far ahead in each column group's bytes a tile asks for weights: the hardware prefetcher alone
 // leaves a decode step's matrices well below DRAM bandwidth (figures: benchmarks/RESULTS.md, session 6).
 constexpr size_t kPrefetchBytes = 1280;
@@ -23,7 +24,8 @@ inline void prefetch_ahead(const uint8_t* block, size_t bytes) {  // the bytes k
   for (size_t line = 0; line < bytes; line += 64) __builtin_prefetch(block + kPrefetchBytes + line, 0, 3);
 }
 
-struct Rows {  // the rows' inputs as digits h, l (int8 [m, k]) and per block: scale and sum of the inputs
+struct Rows {  // the rows' inputs as digits h, l (int8 [m, k]; lo null for 8-bit inputs, a digit h alone) and
+               // per block: scale and sum of the inputs
   const int8_t* hi;
   const int8_t* lo;
   int64_t stride;
@@ -32,7 +34,7 @@ struct Rows {  // the rows' inputs as digits h, l (int8 [m, k]) and per block: s
   int64_t blocks;
 
   Rows from(int r0) const {  // the rows from r0 on
-    return {hi + r0 * stride, lo + r0 * stride, stride, scale + r0 * blocks, sum + r0 * blocks, blocks};
+    return {hi + r0 * stride, lo ? lo + r0 * stride : nullptr, stride, scale + r0 * blocks, sum + r0 * blocks, blocks};
   }
 };
 
@@ -65,6 +67,37 @@ inline void quantize_row_scalar(const float* x, int64_t k, int8_t* hi, int8_t* l
   }
 }
 
+// 8-bit inputs: s = max|x| / 127, x_int = round(x / s) (nearest even), one digit. Half the 16-bit
+// inputs' work for the integer units, at llama.cpp's precision (its activations are 8-bit per 32 too).
+inline void quantize_row8_scalar(const float* x, int64_t k, int8_t* digits, float* scale, float* sum) {
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const float* xb = x + b * kBlock;
+    float amax = 0.f;
+    for (int i = 0; i < kBlock; ++i) amax = std::fabs(xb[i]) > amax ? std::fabs(xb[i]) : amax;
+    const float s = amax / kMaxInt8;
+    const float inv = amax > 0.f ? kMaxInt8 / amax : 0.f;
+    int32_t total = 0;
+    for (int i = 0; i < kBlock; ++i) {
+      int32_t q = static_cast<int32_t>(std::nearbyint(xb[i] * inv));
+      q = q > kMaxInt8 ? kMaxInt8 : (q < -kMaxInt8 ? -kMaxInt8 : q);
+      digits[b * kBlock + i] = static_cast<int8_t>(q);
+      total += q;
+    }
+    scale[b] = s;
+    sum[b] = s * static_cast<float>(total);
+  }
+}
+
+// Kernel::rows_block<M> for the M = rows (1 <= rows <= R) known only at run time.
+template <typename Kernel, int R>
+void rows_block_for(int rows, const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& part, float* y,
+                    int64_t ys) {
+  if constexpr (R > 1) {
+    if (rows < R) return rows_block_for<Kernel, R - 1>(rows, w, g_lo, g_hi, part, y, ys);
+  }
+  Kernel::template rows_block<R>(w, g_lo, g_hi, part, y, ys);
+}
+
 // Groups [g_lo, g_hi) for rows [0, m): a few groups at a time, and for each, all rows Kernel::kRows at a
 // time, so the groups' bytes come from memory once and stay in L1 for the later rows.
 template <typename Kernel>
@@ -74,15 +107,8 @@ void run_groups(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const R
   constexpr int R = Kernel::kRows;
   for (int64_t g0 = g_lo; g0 < g_hi; g0 += kGroupsAtOnce) {
     const int64_t g1 = g0 + kGroupsAtOnce < g_hi ? g0 + kGroupsAtOnce : g_hi;
-    for (int r0 = 0; r0 < m; r0 += R) {
-      const Rows part = rows.from(r0);
-      float* yr = y + r0 * ys;
-      const int left = m - r0 >= R ? R : m - r0;
-      if (left == 1) Kernel::template rows_block<1>(w, g0, g1, part, yr, ys);
-      else if (left == 2) Kernel::template rows_block<(R >= 2 ? 2 : 1)>(w, g0, g1, part, yr, ys);
-      else if (left == 3) Kernel::template rows_block<(R >= 3 ? 3 : 1)>(w, g0, g1, part, yr, ys);
-      else Kernel::template rows_block<R>(w, g0, g1, part, yr, ys);
-    }
+    for (int r0 = 0; r0 < m; r0 += R)
+      rows_block_for<Kernel, R>(m - r0 >= R ? R : m - r0, w, g0, g1, rows.from(r0), y + r0 * ys, ys);
   }
 }
 

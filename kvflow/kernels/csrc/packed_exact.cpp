@@ -47,7 +47,9 @@ double exact_column(const KvflowPackedWeight& w, int64_t j, const float* x) {
 }  // namespace
 
 extern "C" int32_t kvflow_packed_refine_top(const KvflowPackedWeight* w, const float* x, int64_t x_stride, int32_t m,
-                                            float* y, int64_t y_stride, const float* block_abs_sum) {
+                                            float* y, int64_t y_stride, const float* block_abs_sum,
+                                            int32_t input_bits) {
+  const float max_int = input_bits == 8 ? 127.f : kMaxIntValue;
   const int64_t nb = w->k / 32;
   float w_max = 0.f;
   for (int64_t b = 0; b < nb; ++b) w_max = block_abs_sum[b] > w_max ? block_abs_sum[b] : w_max;
@@ -66,7 +68,7 @@ extern "C" int32_t kvflow_packed_refine_top(const KvflowPackedWeight* w, const f
       }
       spread += amax * block_abs_sum[b];
     }
-    const float bound = spread / (2.f * kMaxIntValue) * 1.01f + 1e-6f * l1 * w_max;
+    const float bound = spread / (2.f * max_int) * 1.01f + 1e-6f * l1 * w_max;
     const float floor = kvflow::largest(yr, w->n) - 2.f * bound;
     // A vector of outputs at a time: only one whose largest lane reaches the floor is looked into.
     namespace v = kvflow::simd;

@@ -55,11 +55,12 @@ extern "C" int32_t kvflow_packed_matmul_path(void) {
 }
 
 extern "C" int32_t kvflow_packed_matmul(const KvflowPackedWeight* w, const float* x, int64_t x_stride, int32_t m,
-                                        float* y, int64_t y_stride, int32_t num_threads) {
-  if (w->k % kBlock || (w->bits != 4 && w->bits != 8) || m <= 0) return -1;
+                                        float* y, int64_t y_stride, int32_t input_bits, int32_t num_threads) {
+  if (w->k % kBlock || (w->bits != 4 && w->bits != 8) || m <= 0 || (input_bits != 8 && input_bits != 16)) return -1;
   const int64_t nb = w->k / kBlock;
+  const bool eight = input_bits == 8;
 #ifdef KVFLOW_HAVE_AMX
-  const bool amx = kvflow::packed::prefer_amx(*w, m) && kvflow::amx_permitted();
+  const bool amx = !eight && kvflow::packed::prefer_amx(*w, m) && kvflow::amx_permitted();
 #else
   const bool amx = false;
 #endif
@@ -73,15 +74,19 @@ extern "C" int32_t kvflow_packed_matmul(const KvflowPackedWeight* w, const float
   int8_t* lo = hi + static_cast<size_t>(padded) * w->k;
   float* scale = block_stats.data();
   float* sum = scale + static_cast<size_t>(padded) * nb;
-  for (int r = 0; r < m; ++r)
-    Kernel::quantize_row(x + r * x_stride, w->k, hi + r * w->k, lo + r * w->k, scale + r * nb, sum + r * nb);
+  for (int r = 0; r < m; ++r) {
+    if (eight)
+      Kernel::quantize_row8(x + r * x_stride, w->k, hi + r * w->k, scale + r * nb, sum + r * nb);
+    else
+      Kernel::quantize_row(x + r * x_stride, w->k, hi + r * w->k, lo + r * w->k, scale + r * nb, sum + r * nb);
+  }
   for (int r = m; r < padded; ++r) {  // rows a tile reads but nobody uses: zeros, not stale bytes
     std::memset(hi + r * w->k, 0, w->k);
     std::memset(lo + r * w->k, 0, w->k);
     std::memset(scale + r * nb, 0, sizeof(float) * nb);
     std::memset(sum + r * nb, 0, sizeof(float) * nb);
   }
-  const Rows rows{hi, lo, w->k, scale, sum, nb};
+  const Rows rows{hi, eight ? nullptr : lo, w->k, scale, sum, nb};
   const int64_t groups = (w->n + 15) / 16;
   // A thread team costs a few microseconds to wake: only tiny matrices run on the calling thread. One
   // thread streams weights from DRAM at about half the rate two do, so even a decode step's smaller

@@ -31,7 +31,7 @@ template <int M>
 void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, int64_t y_stride) {
   const int64_t nb = w.k / kBlock;
   const size_t chunk = chunk_bytes(w), codes_end = code_bytes(w);
-  const bool has_offset = w.has_offset != 0, four_bit = w.bits == 4;
+  const bool has_offset = w.has_offset != 0, four_bit = w.bits == 4, two = rows.lo != nullptr;
   const uint8_t* base = w.data + static_cast<size_t>(g) * nb * chunk;
   const uint8x16_t low_nibble = vdupq_n_u8(0x0f);
   float32x4_t acc[M][4];
@@ -48,15 +48,15 @@ void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, in
       constexpr int Shift = decltype(shift)::value;
       for (int r = 0; r < M; ++r) {
         const int8x16_t xh = broadcast4(rows.hi + r * rows.stride + b * kBlock + 4 * quad);
-        const int8x16_t xl = broadcast4(rows.lo + r * rows.stride + b * kBlock + 4 * quad);
+        const int8x16_t xl = two ? broadcast4(rows.lo + r * rows.stride + b * kBlock + 4 * quad) : xh;
         for (int q = 0; q < 4; ++q) {
           if constexpr (Shift == 0) {
             dot_h[r][q] = vdotq_s32(dot_h[r][q], codes[q], xh);
-            dot_l[r][q] = vdotq_s32(dot_l[r][q], codes[q], xl);
+            if (two) dot_l[r][q] = vdotq_s32(dot_l[r][q], codes[q], xl);
           } else {
             const int32x4_t zero = vdupq_n_s32(0);
             dot_h[r][q] = vaddq_s32(dot_h[r][q], vshlq_n_s32(vdotq_s32(zero, codes[q], xh), Shift));
-            dot_l[r][q] = vaddq_s32(dot_l[r][q], vshlq_n_s32(vdotq_s32(zero, codes[q], xl), Shift));
+            if (two) dot_l[r][q] = vaddq_s32(dot_l[r][q], vshlq_n_s32(vdotq_s32(zero, codes[q], xl), Shift));
           }
         }
       }
@@ -83,7 +83,7 @@ void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, in
       const float32x4_t scale = halves(block + codes_end + 8 * q);
       const float32x4_t offset = has_offset ? halves(block + codes_end + 32 + 8 * q) : vdupq_n_f32(0.f);
       for (int r = 0; r < M; ++r) {
-        const int32x4_t dot = vaddq_s32(vshlq_n_s32(dot_h[r][q], 8), dot_l[r][q]);
+        const int32x4_t dot = two ? vaddq_s32(vshlq_n_s32(dot_h[r][q], 8), dot_l[r][q]) : dot_h[r][q];
         const float32x4_t col_scale = vmulq_f32(scale, vdupq_n_f32(rows.scale[r * rows.blocks + b]));
         acc[r][q] = vfmaq_f32(acc[r][q], vcvtq_f32_s32(dot), col_scale);
         if (has_offset) acc[r][q] = vfmaq_f32(acc[r][q], offset, vdupq_n_f32(rows.sum[r * rows.blocks + b]));
@@ -107,6 +107,9 @@ struct Neon {
   static constexpr int kRows = 2;
   static void quantize_row(const float* x, int64_t k, int8_t* hi, int8_t* lo, float* scale, float* sum) {
     quantize_row_scalar(x, k, hi, lo, scale, sum);
+  }
+  static void quantize_row8(const float* x, int64_t k, int8_t* digits, float* scale, float* sum) {
+    quantize_row8_scalar(x, k, digits, scale, sum);
   }
   template <int M>
   static void rows_block(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y,

@@ -40,14 +40,14 @@ void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, in
       const float offset = w.has_offset ? half_at(block + codes_end + 32 + 2 * c) : 0.f;
       for (int r = 0; r < M; ++r) {
         const int8_t* xh = rows.hi + r * rows.stride + b * kBlock;
-        const int8_t* xl = rows.lo + r * rows.stride + b * kBlock;
+        const int8_t* xl = rows.lo ? rows.lo + r * rows.stride + b * kBlock : nullptr;
         int32_t dot_h = 0, dot_l = 0;
         for (int i = 0; i < kBlock; ++i) {
           const int q = code_at(block, w.bits, c, i);
           dot_h += q * xh[i];
-          dot_l += q * xl[i];
+          if (xl) dot_l += q * xl[i];
         }
-        const int32_t dot = dot_h * 256 + dot_l;
+        const int32_t dot = xl ? dot_h * 256 + dot_l : dot_h;
         acc[r] = std::fma(static_cast<float>(dot), scale * rows.scale[r * rows.blocks + b], acc[r]);
         if (w.has_offset) acc[r] = std::fma(offset, rows.sum[r * rows.blocks + b], acc[r]);
       }
@@ -62,6 +62,9 @@ struct Scalar {
   static constexpr int kRows = 4;
   static void quantize_row(const float* x, int64_t k, int8_t* hi, int8_t* lo, float* scale, float* sum) {
     quantize_row_scalar(x, k, hi, lo, scale, sum);
+  }
+  static void quantize_row8(const float* x, int64_t k, int8_t* digits, float* scale, float* sum) {
+    quantize_row8_scalar(x, k, digits, scale, sum);
   }
   template <int M>
   static void rows_block(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y,

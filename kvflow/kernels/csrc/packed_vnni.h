@@ -43,8 +43,27 @@ inline __m512i broadcast4(const int8_t* p) {  // four input digits, in every 32-
   return _mm512_set1_epi32(v);
 }
 
-// Columns [16 g0, 16 (g0 + G)) for M rows: acc[r][g] holds 16 columns of row r.
-template <int M, int G>
+// 8-bit inputs (one digit): s = max|x| / 127, x_int = round(x / s); quantize_row8_scalar's arithmetic.
+inline void quantize_row8(const float* x, int64_t k, int8_t* digits, float* scale, float* sum) {
+  const __m512 sign_off = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const __m512 v0 = _mm512_loadu_ps(x + b * kBlock), v1 = _mm512_loadu_ps(x + b * kBlock + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, sign_off), _mm512_and_ps(v1, sign_off)));
+    const float s = amax / kMaxInt8;
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? kMaxInt8 / amax : 0.f);
+    const __m512i lim = _mm512_set1_epi32(kMaxInt8), neg = _mm512_set1_epi32(-kMaxInt8);
+    const __m512i q0 = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), lim), neg);
+    const __m512i q1 = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inv)), lim), neg);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(digits + b * kBlock), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(digits + b * kBlock + 16), _mm512_cvtepi32_epi8(q1));
+    scale[b] = s;
+    sum[b] = s * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+  }
+}
+
+// Columns [16 g0, 16 (g0 + G)) for M rows: acc[r][g] holds 16 columns of row r. Two: two input digits
+// (16-bit inputs), else one (8-bit).
+template <int M, int G, bool Two>
 void tile_group(const KvflowPackedWeight& w, int64_t g0, const Rows& rows, float* y, int64_t y_stride) {
   const int64_t nb = w.k / kBlock;
   const size_t chunk = chunk_bytes(w);
@@ -66,12 +85,12 @@ void tile_group(const KvflowPackedWeight& w, int64_t g0, const Rows& rows, float
       __m512i xh[M], xl[M];
       for (int r = 0; r < M; ++r) {
         xh[r] = broadcast4(rows.hi + r * rows.stride + b * kBlock + 4 * quad);
-        xl[r] = broadcast4(rows.lo + r * rows.stride + b * kBlock + 4 * quad);
+        if constexpr (Two) xl[r] = broadcast4(rows.lo + r * rows.stride + b * kBlock + 4 * quad);
       }
       for (int g = 0; g < G; ++g)
         for (int r = 0; r < M; ++r) {
           sum_hi[r][g] = _mm512_dpbusd_epi32(sum_hi[r][g], codes[g], xh[r]);
-          sum_lo[r][g] = _mm512_dpbusd_epi32(sum_lo[r][g], codes[g], xl[r]);
+          if constexpr (Two) sum_lo[r][g] = _mm512_dpbusd_epi32(sum_lo[r][g], codes[g], xl[r]);
         }
     };
     if (w.bits == 4) {
@@ -99,7 +118,7 @@ void tile_group(const KvflowPackedWeight& w, int64_t g0, const Rows& rows, float
           has_offset ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32))) : _mm512_setzero_ps();
       for (int r = 0; r < M; ++r) {
         // 256 h + l: below 2^24 in magnitude for 4-bit codes, so exact in float32.
-        const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(sum_hi[r][g], 8), sum_lo[r][g]);
+        const __m512i dot = Two ? _mm512_add_epi32(_mm512_slli_epi32(sum_hi[r][g], 8), sum_lo[r][g]) : sum_hi[r][g];
         const __m512 col_scale = _mm512_mul_ps(scale, _mm512_set1_ps(rows.scale[r * rows.blocks + b]));
         acc[r][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), col_scale, acc[r][g]);
         if (has_offset) acc[r][g] = _mm512_fmadd_ps(offset, _mm512_set1_ps(rows.sum[r * rows.blocks + b]), acc[r][g]);
@@ -117,18 +136,33 @@ void tile_group(const KvflowPackedWeight& w, int64_t g0, const Rows& rows, float
 }  // namespace vnni
 
 struct Vnni {
-  static constexpr int kRows = 4;
+  static constexpr int kRows = 8;
   static void quantize_row(const float* x, int64_t k, int8_t* hi, int8_t* lo, float* scale, float* sum) {
     vnni::quantize_row(x, k, hi, lo, scale, sum);
   }
-  // Groups [g_lo, g_hi) for M rows, groups as wide as the registers allow.
+  static void quantize_row8(const float* x, int64_t k, int8_t* digits, float* scale, float* sum) {
+    vnni::quantize_row8(x, k, digits, scale, sum);
+  }
   template <int M>
   static void rows_block(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y,
                          int64_t ys) {
+    if (!rows.lo) return blocks<M, false>(w, g_lo, g_hi, rows, y, ys);
+    // Two digits need twice the accumulators: at most four rows a pass in the 32 registers.
+    if constexpr (M > 4) {
+      blocks<4, true>(w, g_lo, g_hi, rows, y, ys);
+      blocks<M - 4, true>(w, g_lo, g_hi, rows.from(4), y + 4 * ys, ys);
+    } else {
+      blocks<M, true>(w, g_lo, g_hi, rows, y, ys);
+    }
+  }
+  // Groups [g_lo, g_hi) for M rows, groups as wide as the registers allow.
+  template <int M, bool Two>
+  static void blocks(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y,
+                     int64_t ys) {
     constexpr int G = M == 1 ? 4 : (M == 2 ? 2 : 1);
     int64_t g = g_lo;
-    for (; g + G <= g_hi; g += G) vnni::tile_group<M, G>(w, g, rows, y, ys);
-    for (; g < g_hi; ++g) vnni::tile_group<M, 1>(w, g, rows, y, ys);
+    for (; g + G <= g_hi; g += G) vnni::tile_group<M, G, Two>(w, g, rows, y, ys);
+    for (; g < g_hi; ++g) vnni::tile_group<M, 1, Two>(w, g, rows, y, ys);
   }
 };
 

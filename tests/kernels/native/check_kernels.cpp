@@ -4,7 +4,8 @@
 // compiles and runs it. Prints one line per check and exits non-zero on the first failure.
 //
 //   packed matmul   bitwise equal to a reference of its arithmetic written here (input digits, exact
-//                   integer block sums, the float epilogue), 4- and 8-bit codes, 1 to 9 rows, 1 and 2 threads
+//                   integer block sums, the float epilogue), 4- and 8-bit codes, 16- and 8-bit inputs, 1 to 9
+//                   rows, 1 and 2 threads
 //   paged attention every row against a double-precision softmax, float32 and float16 caches
 //   row ops         rms_scale and silu_mul against plain loops
 #include <cmath>
@@ -72,8 +73,8 @@ std::vector<uint8_t> pack(const std::vector<uint8_t>& q, const std::vector<uint1
 // What the packed matmul computes, written out plainly: digits per block of 32 inputs, exact integer
 // sums, then acc = fma(dot, scale * input scale, acc) and acc = fma(offset, input sum, acc) per block.
 float reference_output(const float* x, const std::vector<uint8_t>& q, const std::vector<uint16_t>& scale,
-                       const std::vector<uint16_t>& offset, int col, int k, bool has_offset) {
-  const int32_t kMaxInt = 32639;
+                       const std::vector<uint16_t>& offset, int col, int k, bool has_offset, bool bits8) {
+  const int32_t kMaxInt = bits8 ? 127 : 32639;
   float acc = 0.f;
   for (int b = 0; b < k / 32; ++b) {
     float amax = 0.f;
@@ -110,20 +111,22 @@ void check_packed_matmul() {
         const std::vector<uint8_t> data = pack(q, scale, offset, n, k, bits, has_offset);
         const KvflowPackedWeight w{data.data(), n, k, bits, has_offset ? 1 : 0};
         for (int m : {1, 2, 3, 5, 9})
-          for (int threads : {1, 2}) {
-            std::vector<float> x(static_cast<size_t>(m) * k), y(static_cast<size_t>(m) * n, NAN);
-            for (auto& v : x) v = uniform(-4.f, 4.f);
-            if (kvflow_packed_matmul(&w, x.data(), k, m, y.data(), n, threads) != 0) fail("packed matmul refused");
-            for (int r = 0; r < m; ++r)
-              for (int c = 0; c < n; ++c) {
-                const float want = reference_output(x.data() + r * k, q, scale, offset, c, k, has_offset);
-                if (std::memcmp(&want, &y[static_cast<size_t>(r) * n + c], 4) != 0) {
-                  std::printf("bits %d offset %d n %d m %d threads %d row %d col %d: %.9g != %.9g\n", bits,
-                              has_offset, n, m, threads, r, c, y[static_cast<size_t>(r) * n + c], want);
-                  fail("packed matmul differs from its reference");
+          for (int threads : {1, 2})
+            for (bool bits8 : {false, true}) {
+              std::vector<float> x(static_cast<size_t>(m) * k), y(static_cast<size_t>(m) * n, NAN);
+              for (auto& v : x) v = uniform(-4.f, 4.f);
+              if (kvflow_packed_matmul(&w, x.data(), k, m, y.data(), n, bits8 ? 8 : 16, threads) != 0)
+                fail("packed matmul refused");
+              for (int r = 0; r < m; ++r)
+                for (int c = 0; c < n; ++c) {
+                  const float want = reference_output(x.data() + r * k, q, scale, offset, c, k, has_offset, bits8);
+                  if (std::memcmp(&want, &y[static_cast<size_t>(r) * n + c], 4) != 0) {
+                    std::printf("bits %d offset %d n %d m %d threads %d 8-bit inputs %d row %d col %d: %.9g != %.9g\n",
+                                bits, has_offset, n, m, threads, bits8, r, c, y[static_cast<size_t>(r) * n + c], want);
+                    fail("packed matmul differs from its reference");
+                  }
                 }
-              }
-          }
+            }
       }
   std::printf("ok packed matmul (path %d): bitwise equal to the reference\n", kvflow_packed_matmul_path());
 }
