@@ -24,6 +24,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import current_figures
 from results_file import publish
 
 HERE = Path(__file__).resolve().parent
@@ -273,6 +274,21 @@ def main() -> None:
                          f"{b['ttft_ms']['p99'] / a['ttft_ms']['p99']:.2f}.")
         lines.append("")
     publish("\n".join(lines), args.record)
+    if args.record and not args.skip_serve:
+        figures = {"pp512": (pp["tokens_per_s"], peer["pp"]), "tg128": (tg["tokens_per_s"], peer["tg"]),
+                   "tg_depth": (tg_deep["tokens_per_s"], peer["tg_depth"])}
+        for key, conc, value in (("c1_output", 1, lambda r: r["output_throughput"]),
+                                 ("c8_output", 8, lambda r: r["output_throughput"]),
+                                 ("c8_ttft_p99", 8, lambda r: r["ttft_ms"]["p99"])):
+            figures[key] = (value(served[("kvflow", conc)]), value(served[("llama.cpp", conc)]))
+        figures["rss"] = (served[("kvflow", "rss")], served[("llama.cpp", "rss")])
+        current_figures.save({
+            "tier": cpu_features.isa_tier(), "machine_tier": cpu_features.machine_tier(), "cpu": cpu_features.cpu_name(),
+            "flags": sorted(cpu_features.cpu_flags() & set(current_figures.TIER_FLAGS)),
+            "date": time.strftime("%Y-%m-%d %H:%M"), "peer": LLAMACPP_VENV.name, "threads": args.threads,
+            "figures": {k: {"kvflow": a, "llama.cpp": b} for k, (a, b) in figures.items()},
+            "tg128_roofline": tg["fraction_of_roofline"]})
+        current_figures.refresh()
 
 
 if __name__ == "__main__":
