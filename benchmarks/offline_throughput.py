@@ -84,18 +84,21 @@ def main() -> None:
     h_time, h_tokens = run_transformers(prompts, args.output_len, args.hf_batch_size,
                                         getattr(torch, args.hf_dtype))
     k_rate, h_rate = k_tokens / k_time, h_tokens / h_time
+    from kvflow.kernels import cpu_features
+
     prompt_tokens = sum(len(p) for p in prompts)
     lines = [
         f"### Offline throughput ({time.strftime('%Y-%m-%d %H:%M')}, {torch.get_num_threads()} threads)",
         "",
-        f"`python benchmarks/offline_throughput.py --num-prompts {args.num_prompts} "
+        f"`python benchmarks/offline_throughput.py --num-prompts {args.num_prompts} --output-len {args.output_len} "
         f"--hf-batch-size {args.hf_batch_size} --hf-dtype {args.hf_dtype}`: {args.num_prompts} prompts "
         f"({prompt_tokens} prompt tokens, {args.min_len} to {args.max_len} each), {args.output_len} output "
-        "tokens each, greedy, EOS ignored, default model.",
+        f"tokens each, greedy, EOS ignored, default model. CPU {cpu_features.cpu_name()}.",
         "",
         "| engine | output tokens | seconds | output tokens/s |",
         "|---|---|---|---|",
-        f"| kvflow (dtype auto: float32 decode, bf16 AMX prefill; all prompts at once) | {k_tokens} | {k_time:.1f} | {k_rate:.1f} |",
+        f"| kvflow (fast mode, kernel tier {cpu_features.isa_tier()}; all prompts at once) | {k_tokens} | "
+        f"{k_time:.1f} | {k_rate:.1f} |",
         f"| transformers generate ({args.hf_dtype}, batches of {args.hf_batch_size}) | {h_tokens} | "
         f"{h_time:.1f} | {h_rate:.1f} |",
         "",
