@@ -51,10 +51,16 @@ def native_steps(monkeypatch) -> list[int]:
 
 
 @pytest.fixture
-def sixteen_bit(fast_loaded, monkeypatch):
-    """The fast mode's native decoder with 16-bit matmul inputs for every step, for the tests that hold it
-    close to the exact mode (which never quantizes inputs to 8 bits)."""
+def sixteen_bit_inputs(monkeypatch) -> None:
+    """16-bit matmul inputs for every step of the executors made from now on, for the tests that hold the
+    fast mode close to the exact mode or to float32 (neither quantizes inputs to 8 bits; on the AVX2 tier
+    even a decode step of two sequences would take 8-bit ones)."""
     monkeypatch.setattr(RowThresholds, "eight_bit_min_rows", lambda self, tier: 0)
+
+
+@pytest.fixture
+def sixteen_bit(fast_loaded, sixteen_bit_inputs):
+    """The fast mode's loaded default model, with 16-bit matmul inputs throughout."""
     return fast_loaded
 
 
@@ -192,6 +198,7 @@ def deviation(a_outs, b_outs) -> tuple[float, float]:
 
 
 @needs_bf16
+@pytest.mark.usefixtures("sixteen_bit_inputs")
 @pytest.mark.parametrize("chunk", [2048, 64], ids=["whole prompts", "chunks of 64 over cached context"])
 def test_dense_many_row_steps_stay_as_close_to_float32_as_the_pytorch_layers(dense_loaded, default_loaded,
                                                                             native_steps, chunk):
@@ -214,11 +221,11 @@ def test_dense_many_row_steps_stay_as_close_to_float32_as_the_pytorch_layers(den
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_bias_and_head_norms_against_the_pytorch_layers(tiny_checkpoints, arch, native_steps, monkeypatch):
+@pytest.mark.usefixtures("sixteen_bit_inputs")
+def test_bias_and_head_norms_against_the_pytorch_layers(tiny_checkpoints, arch, native_steps):
     """Qwen2's q/k/v bias and Qwen3's per-head q/k norms (int4-packed tiny models: a float32 embedding
     table and a float output head, which the executor applies after the native call). 16-bit inputs
-    throughout, as the PyTorch layers' (the two sequences' decode steps would take 8-bit ones on AVX2)."""
-    monkeypatch.setattr(RowThresholds, "eight_bit_min_rows", lambda self, tier: 0)
+    throughout, as the PyTorch layers'."""
     loaded = load_model(ModelConfig(model=str(tiny_checkpoints[arch]), device="cpu", quantization="int4"))
     assert loaded.native is not None and not loaded.native.head_packed
     prompts = [{"prompt_token_ids": list(range(3, 3 + 90))}, {"prompt_token_ids": list(range(200, 270))}]
