@@ -58,6 +58,20 @@ def test_packed_matmul_is_bitwise_equal_on_every_tier(bits, n, k):
     assert torch.equal(one_thread, outs[TIERS[0]])
 
 
+def test_input_widths_other_than_8_and_16_bits_are_refused_on_every_tier():
+    bq = quantize_weight(torch.randn(64, 64) * 0.1, "int4", 32)
+    pw = packed_matmul.pack(bq.q, bq.scale.half().float(), bq.offset.half().float(), bq.group_size, bq.bits)
+    x, y = torch.randn(2, 64), torch.full((2, 64), 7.0)
+    for tier in TIERS:
+        for input_bits in (0, 4, 12, 32):
+            assert library(tier).kvflow_packed_matmul(
+                w=ctypes.byref(pw.struct), x=x.data_ptr(), x_stride=64, m=2, y=y.data_ptr(), y_stride=64,
+                input_bits=input_bits, num_threads=2) != 0, (tier, input_bits)
+    assert torch.equal(y, torch.full((2, 64), 7.0))  # nothing written
+    with pytest.raises(RuntimeError, match="8- or 16-bit inputs"):
+        packed_matmul.matmul(x, pw, input_bits=12)
+
+
 def attend(lib, batch, all_rows: bool, threads: int) -> torch.Tensor:
     out = torch.zeros(batch.q.shape)
     k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
