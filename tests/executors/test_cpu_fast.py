@@ -22,8 +22,8 @@ from kvflow.executors.native_model import NativeModel
 from kvflow.executors.thresholds import ROW_THRESHOLDS, RowThresholds
 from kvflow.kernels import abi, cpu_features, packed_matmul
 
-# The native decoder needs the packed kernel: a C++ compiler, and a CPU it runs on (kernels/cpu_features).
-pytestmark = pytest.mark.skipif(not packed_matmul.available(), reason="the packed kernel does not run on this CPU")
+# The native decoder needs the kernel library, which builds on every CPU tier but needs a C++ compiler.
+pytestmark = pytest.mark.skipif(not packed_matmul.available(), reason="needs a C++ compiler to build the kernels")
 # oneDNN's bfloat16 matmul is emulated (about 200x slower) without AVX512-BF16 or AMX: the dense path's
 # tests need one of them to finish in time.
 needs_bf16 = pytest.mark.skipif(not {"avx512_bf16", "amx_bf16"} & cpu_features.cpu_flags(),

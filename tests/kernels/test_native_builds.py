@@ -54,7 +54,7 @@ def run_checks(command: list[str]) -> None:
 def test_this_cpu_with_the_thread_pool(tmp_path):
     cxx = build.compiler()
     if cxx is None:
-        pytest.skip("no C++ compiler")
+        pytest.skip("no C++ compiler")  # nothing to build; CI has g++
     flags = build.tier_flags(cpu_features.machine_tier())
     run_checks([str(compile_harness(cxx, flags, tmp_path / "check", openmp=False))])
 

@@ -9,8 +9,8 @@ import torch
 from kvflow.kernels import packed_matmul
 from kvflow.layers.quant import BlockQuant, PackedLinear, quantize_weight
 
-# The kernel needs a C++ compiler and AVX512-VNNI; CI's machines have both, a laptop may not.
-pytestmark = pytest.mark.skipif(not packed_matmul.available(), reason="needs a C++ compiler and AVX512-VNNI")
+# The kernel builds for every CPU tier but needs a C++ compiler; CI's machines have one.
+pytestmark = pytest.mark.skipif(not packed_matmul.available(), reason="needs a C++ compiler to build the kernels")
 
 
 def parts(bq: BlockQuant) -> tuple:

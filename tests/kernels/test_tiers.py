@@ -22,6 +22,7 @@ from kvflow.executors.thresholds import ROW_THRESHOLDS
 from kvflow.kernels import abi, cpu_features, packed_matmul, paged_attention
 from kvflow.layers.quant import quantize_weight
 
+# Every tier's library is built here from the same sources: only a machine without a C++ compiler skips.
 pytestmark = pytest.mark.skipif(not packed_matmul.available(), reason="needs a C++ compiler")
 TIERS = cpu_features.runnable_tiers()
 
