@@ -19,20 +19,24 @@ namespace kvflow::packed {
 
 namespace avx2 {
 
-inline void quantize_row(const float* x, int64_t k, int8_t* hi, int8_t* lo, float* scale, float* sum) {
+// One block's 32 inputs into v, and their largest magnitude.
+inline float load_block(const float* xb, __m256 v[4]) {
   const __m256 sign_off = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 m = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(xb + 8 * i);
+    m = _mm256_max_ps(m, _mm256_and_ps(v[i], sign_off));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+}
+
+inline void quantize_row(const float* x, int64_t k, int8_t* hi, int8_t* lo, float* scale, float* sum) {
   const __m256i lim = _mm256_set1_epi32(kMaxInt), neg = _mm256_set1_epi32(-kMaxInt), c128 = _mm256_set1_epi32(128);
   for (int64_t b = 0; b < k / kBlock; ++b) {
-    const float* xb = x + b * kBlock;
     __m256 v[4];
-    __m256 m = _mm256_setzero_ps();
-    for (int i = 0; i < 4; ++i) {
-      v[i] = _mm256_loadu_ps(xb + 8 * i);
-      m = _mm256_max_ps(m, _mm256_and_ps(v[i], sign_off));
-    }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const float amax = load_block(x + b * kBlock, v);
     const float s = amax / kMaxInt;
     const __m256 inv = _mm256_set1_ps(amax > 0.f ? kMaxInt / amax : 0.f);
     __m256i total = _mm256_setzero_si256();
@@ -61,19 +65,10 @@ inline void quantize_row(const float* x, int64_t k, int8_t* hi, int8_t* lo, floa
 
 // 8-bit inputs (one digit): quantize_row8_scalar's arithmetic, 8 inputs at a time.
 inline void quantize_row8(const float* x, int64_t k, int8_t* digits, float* scale, float* sum) {
-  const __m256 sign_off = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256i lim = _mm256_set1_epi32(kMaxInt8), neg = _mm256_set1_epi32(-kMaxInt8);
   for (int64_t b = 0; b < k / kBlock; ++b) {
-    const float* xb = x + b * kBlock;
     __m256 v[4];
-    __m256 m = _mm256_setzero_ps();
-    for (int i = 0; i < 4; ++i) {
-      v[i] = _mm256_loadu_ps(xb + 8 * i);
-      m = _mm256_max_ps(m, _mm256_and_ps(v[i], sign_off));
-    }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const float amax = load_block(x + b * kBlock, v);
     const float s = amax / kMaxInt8;
     const __m256 inv = _mm256_set1_ps(amax > 0.f ? kMaxInt8 / amax : 0.f);
     __m256i q[4], total = _mm256_setzero_si256();
@@ -209,14 +204,8 @@ struct Avx2 {
   template <int M>
   static void rows_block(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y,
                          int64_t ys) {
-    if (!rows.lo) return blocks<M, false>(w, g_lo, g_hi, rows, y, ys);
     // Two digits need twice the accumulators: at most two rows a pass in the 16 registers.
-    if constexpr (M > 2) {
-      blocks<2, true>(w, g_lo, g_hi, rows, y, ys);
-      blocks<M - 2, true>(w, g_lo, g_hi, rows.from(2), y + 2 * ys, ys);
-    } else {
-      blocks<M, true>(w, g_lo, g_hi, rows, y, ys);
-    }
+    digit_passes<Avx2, 2, M>(w, g_lo, g_hi, rows, y, ys);
   }
   // Groups [g_lo, g_hi) for M rows: both halves of a group at once where the registers allow (one row of
   // 4-bit codes), else one half at a time.

@@ -44,13 +44,18 @@ inline size_t chunk_bytes(const KvflowPackedWeight& w) {
 
 inline size_t code_bytes(const KvflowPackedWeight& w) { return w.bits == 4 ? 256 : 512; }
 
+inline float block_amax(const float* xb) {  // the block's largest |x|
+  float amax = 0.f;
+  for (int i = 0; i < kBlock; ++i) amax = std::fabs(xb[i]) > amax ? std::fabs(xb[i]) : amax;
+  return amax;
+}
+
 // One row's inputs -> digits, per block of 32: s = max|x| / kMaxInt, x_int = round(x / s) (nearest even),
 // h = (x_int + 128) >> 8, l = x_int - 256 h. The vector tiers compute exactly this.
 inline void quantize_row_scalar(const float* x, int64_t k, int8_t* hi, int8_t* lo, float* scale, float* sum) {
   for (int64_t b = 0; b < k / kBlock; ++b) {
     const float* xb = x + b * kBlock;
-    float amax = 0.f;
-    for (int i = 0; i < kBlock; ++i) amax = std::fabs(xb[i]) > amax ? std::fabs(xb[i]) : amax;
+    const float amax = block_amax(xb);
     const float s = amax / kMaxInt;
     const float inv = amax > 0.f ? kMaxInt / amax : 0.f;
     int32_t total = 0;
@@ -72,8 +77,7 @@ inline void quantize_row_scalar(const float* x, int64_t k, int8_t* hi, int8_t* l
 inline void quantize_row8_scalar(const float* x, int64_t k, int8_t* digits, float* scale, float* sum) {
   for (int64_t b = 0; b < k / kBlock; ++b) {
     const float* xb = x + b * kBlock;
-    float amax = 0.f;
-    for (int i = 0; i < kBlock; ++i) amax = std::fabs(xb[i]) > amax ? std::fabs(xb[i]) : amax;
+    const float amax = block_amax(xb);
     const float s = amax / kMaxInt8;
     const float inv = amax > 0.f ? kMaxInt8 / amax : 0.f;
     int32_t total = 0;
@@ -85,6 +89,19 @@ inline void quantize_row8_scalar(const float* x, int64_t k, int8_t* digits, floa
     }
     scale[b] = s;
     sum[b] = s * static_cast<float>(total);
+  }
+}
+
+// rows_block<M> for a tier whose kernel takes one- and two-digit inputs in separate passes
+// (Tier::blocks<M, two_digits>): two digits need twice the accumulators, so at most TwoRows rows a pass.
+template <typename Tier, int TwoRows, int M>
+void digit_passes(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y, int64_t ys) {
+  if (!rows.lo) return Tier::template blocks<M, false>(w, g_lo, g_hi, rows, y, ys);
+  if constexpr (M > TwoRows) {
+    Tier::template blocks<TwoRows, true>(w, g_lo, g_hi, rows, y, ys);
+    digit_passes<Tier, TwoRows, M - TwoRows>(w, g_lo, g_hi, rows.from(TwoRows), y + TwoRows * ys, ys);
+  } else {
+    Tier::template blocks<M, true>(w, g_lo, g_hi, rows, y, ys);
   }
 }
 

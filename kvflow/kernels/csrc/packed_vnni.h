@@ -146,14 +146,8 @@ struct Vnni {
   template <int M>
   static void rows_block(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y,
                          int64_t ys) {
-    if (!rows.lo) return blocks<M, false>(w, g_lo, g_hi, rows, y, ys);
     // Two digits need twice the accumulators: at most four rows a pass in the 32 registers.
-    if constexpr (M > 4) {
-      blocks<4, true>(w, g_lo, g_hi, rows, y, ys);
-      blocks<M - 4, true>(w, g_lo, g_hi, rows.from(4), y + 4 * ys, ys);
-    } else {
-      blocks<M, true>(w, g_lo, g_hi, rows, y, ys);
-    }
+    digit_passes<Vnni, 4, M>(w, g_lo, g_hi, rows, y, ys);
   }
   // Groups [g_lo, g_hi) for M rows, groups as wide as the registers allow.
   template <int M, bool Two>
