@@ -38,10 +38,7 @@ def kernel_rates(threads: int) -> list[str]:
     lines = ["| weights | rows | 16-bit inputs GFLOP/s | 8-bit inputs GFLOP/s | 8-bit / 16-bit |", "|---|---|---|---|---|"]
     g = torch.Generator().manual_seed(0)
     for bits, n, k in SHAPES:
-        q = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, generator=g)
-        scale = (torch.rand(n, k // 32, generator=g) * 0.01).half().float()
-        offset = (torch.rand(n, k // 32, generator=g) * 0.01).half().float() if bits == 4 else -128 * scale
-        pw = packed_matmul.pack(q, scale, offset, 32, bits)
+        pw = packed_matmul.random_weight(n, k, bits)
         for m in ROWS:
             if bits == 8 and m > 8:
                 continue  # the head only ever sees the rows that sample

@@ -136,11 +136,8 @@ def packed_rate(rows: int, reps: int = 5, warmup: int = 2) -> float | None:
         return None
     abi.native().kvflow_set_tuning(tuning=ROW_THRESHOLDS.kernel_tuning())
     n, k = 1536, 576
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
-    scale = (torch.rand(n, k // 32, generator=gen) * 0.01).half().float()
-    pw = packed_matmul.pack(q, scale, torch.zeros_like(scale), 32, 4)
-    x = torch.randn(rows, k, generator=gen)
+    pw = packed_matmul.random_weight(n, k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1))
     out = torch.empty(rows, n)
     seconds = _median_seconds(lambda: packed_matmul.matmul(x, pw, out=out), torch.device("cpu"), reps, warmup)
     return 2 * rows * n * k / seconds

@@ -69,11 +69,8 @@ def measure_bf16_speedup() -> float:
     from kvflow.kernels import abi
 
     abi.native().kvflow_set_tuning(tuning=ROW_THRESHOLDS.kernel_tuning())  # the kernel as the engine runs it
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(ROWS, IN, generator=gen)
-    q = torch.randint(0, 16, (OUT, IN), dtype=torch.uint8, generator=gen)
-    scale = (torch.rand(OUT, IN // 32, generator=gen) * 0.01).half().float()
-    pw = packed_matmul.pack(q, scale, torch.zeros_like(scale), 32, 4)
+    pw = packed_matmul.random_weight(OUT, IN)
+    x = torch.randn(ROWS, IN, generator=torch.Generator().manual_seed(1))
     dense = packed_matmul.dequantize(pw).to(torch.bfloat16)
     xb = x.to(torch.bfloat16)
     packed = _median_seconds(lambda: packed_matmul.matmul(x, pw))

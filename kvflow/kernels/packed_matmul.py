@@ -133,6 +133,14 @@ def available() -> bool:
     return abi.native() is not None
 
 
+def random_weight(n: int, k: int, bits: int = 4, seed: int = 0) -> PackedWeight:
+    """A packed [n, k] weight of random codes and float16-exact scales (zero offsets), for timing the kernel."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, generator=gen)
+    scale = (torch.rand(n, k // 32, generator=gen) * 0.01).half().float()
+    return pack(q, scale, torch.zeros_like(scale) if bits == 4 else -128 * scale, 32, bits)
+
+
 def path() -> str | None:
     """Which implementation runs on this CPU tier (PATHS), or None without the kernels."""
     native = abi.native()
