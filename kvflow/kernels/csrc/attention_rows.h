@@ -188,6 +188,28 @@ inline void weighted_values(const T* v_head, const int64_t* offsets, int n, cons
     for (int k = 0; k < V; ++k) v::store(acc_out + j * D + W * k, acc[j][k]);
 }
 
+// The rest of attend_kv_head once its g heads' scores sit in sc_group (kMaxChunk apart): each head's
+// softmax parts, then its softmax-weighted V rows (v_head + offsets[i], J heads per pass).
+template <typename T, int D>
+inline void softmax_and_values(const T* v_head, const int64_t* offsets, int n, int g, float* sc_group,
+                               float* max_out, float* sum_out, float* acc_out) {
+  constexpr int J = Blocking<D>::J;
+  for (int j0 = 0; j0 < g; j0 += 4) {
+    const int count = g - j0 < 4 ? g - j0 : 4;
+    group_softmax_parts(sc_group + j0 * kMaxChunk, count, n, max_out + j0, sum_out + j0);
+  }
+  for (int j0 = 0; j0 < g; j0 += J) {
+    const float* sc = sc_group + j0 * kMaxChunk;
+    float* out = acc_out + static_cast<int64_t>(j0) * D;
+    switch (g - j0 < J ? g - j0 : J) {
+      case 1: weighted_values<T, D, 1>(v_head, offsets, n, sc, out); break;
+      case 2: weighted_values<T, D, (J >= 2 ? 2 : 1)>(v_head, offsets, n, sc, out); break;
+      case 3: weighted_values<T, D, (J >= 3 ? 3 : 1)>(v_head, offsets, n, sc, out); break;
+      default: weighted_values<T, D, J>(v_head, offsets, n, sc, out); break;
+    }
+  }
+}
+
 // attend_chunk for a head size known at compile time (64, 128), one KV head: its K rows are widened
 // once and scored against every query head of its group (P positions at a time: independent FMA chains
 // and one shuffle reduction), then each V row once for up to J heads. offsets[0, n) locate the chunk's
@@ -196,7 +218,7 @@ template <typename T, int D>
 void attend_kv_head(const float* q, const T* k_cache, const T* v_cache, const int64_t* offsets, int n, int kv,
                     const Shape& s, float* scores, float* max_out, float* sum_out, float* acc_out) {
   using B = Blocking<D>;
-  constexpr int V = B::V, P = B::P, J = B::J;
+  constexpr int V = B::V, P = B::P;
   const int g = s.group;
   const T* k_head = k_cache + kv * D;
   const T* v_head = v_cache + kv * D;
@@ -242,18 +264,146 @@ void attend_kv_head(const float* q, const T* k_cache, const T* v_cache, const in
       sc_group[j * kMaxChunk + p] = v::reduce_add(a) * s.scale;
     }
   }
-  for (int j0 = 0; j0 < g; j0 += 4) {
-    const int count = g - j0 < 4 ? g - j0 : 4;
-    group_softmax_parts(sc_group + j0 * kMaxChunk, count, n, max_out + kv * g + j0, sum_out + kv * g + j0);
+  softmax_and_values<T, D>(v_head, offsets, n, g, sc_group, max_out + kv * g, sum_out + kv * g,
+                           acc_out + static_cast<int64_t>(kv * g) * D);
+}
+
+// How attend_kv_head reduces a position's lanes: the first n / P * P positions through reduce4 (whose
+// four sums each depend on their own input only, so any four positions may share one), the rest one by
+// one through reduce_add. The block path below keeps both, so its scores are bitwise attend_kv_head's.
+template <int D>
+inline int reduced_in_fours(int n) {
+  constexpr int P = Blocking<D>::P;
+  return n / P * P;
+}
+
+// Scores of two query vectors (qa, qb) over float32 K rows k_head + at[p], p in [lo, hi) (hi rounded
+// up to four; at[] valid that far), each the per-lane FMA chain attend_kv_head runs: eight independent
+// chains, where one query's four positions alone leave the FMA units waiting on their latency.
+template <int D>
+inline void score_two_queries(const float* qa, const float* qb, const float* k_head, const int64_t* at, int lo,
+                              int hi, float scale, float* sa, float* sb) {
+  constexpr int V = D / W;
+  float sums[4];
+  for (int p = lo; p < hi; p += 4) {
+    const float* k[4] = {k_head + at[p], k_head + at[p + 1], k_head + at[p + 2], k_head + at[p + 3]};
+    v::vf a[4], b[4];
+    {
+      const v::vf q0 = v::load(qa), r0 = v::load(qb);
+      for (int i = 0; i < 4; ++i) {
+        const v::vf x = v::load(k[i]);
+        a[i] = v::mul(q0, x), b[i] = v::mul(r0, x);
+      }
+    }
+    for (int c = 1; c < V; ++c) {
+      const v::vf q = v::load(qa + W * c), r = v::load(qb + W * c);
+      for (int i = 0; i < 4; ++i) {
+        const v::vf x = v::load(k[i] + W * c);
+        a[i] = v::fmadd(q, x, a[i]), b[i] = v::fmadd(r, x, b[i]);
+      }
+    }
+    v::reduce4(a[0], a[1], a[2], a[3], sums);
+    for (int i = 0; i < 4; ++i) sa[p + i] = sums[i] * scale;
+    v::reduce4(b[0], b[1], b[2], b[3], sums);
+    for (int i = 0; i < 4; ++i) sb[p + i] = sums[i] * scale;
   }
-  for (int j0 = 0; j0 < g; j0 += J) {
-    const float* sc = sc_group + j0 * kMaxChunk;
-    float* out = acc_out + static_cast<int64_t>(kv * g + j0) * D;
-    switch (g - j0 < J ? g - j0 : J) {
-      case 1: weighted_values<T, D, 1>(v_head, offsets, n, sc, out); break;
-      case 2: weighted_values<T, D, (J >= 2 ? 2 : 1)>(v_head, offsets, n, sc, out); break;
-      case 3: weighted_values<T, D, (J >= 3 ? 3 : 1)>(v_head, offsets, n, sc, out); break;
-      default: weighted_values<T, D, J>(v_head, offsets, n, sc, out); break;
+}
+
+// Softmax-weighted float32 V rows for J query heads of one row (scores kMaxChunk apart, outputs D apart),
+// C vectors of the head at a time: each V vector loaded once for the J heads, the J * C accumulators in
+// registers. Per lane the same FMA sequence as weighted_values.
+template <int D, int J>
+inline void weighted_float_values(const float* v_head, const int64_t* at, int n, const float* sc, float* out) {
+  constexpr int V = D / W;
+  constexpr int C = J * V + J + 1 <= v::kRegisters ? V : (J * (V / 2) + J + 1 <= v::kRegisters ? V / 2 : V / 4);
+  static_assert(C >= 1 && V % C == 0, "head size must split into register blocks");
+  for (int c0 = 0; c0 < V; c0 += C) {
+    v::vf acc[J][C];
+    for (int j = 0; j < J; ++j)
+      for (int c = 0; c < C; ++c) acc[j][c] = v::zero();
+    for (int p = 0; p < n; ++p) {
+      const float* row = v_head + at[p] + W * c0;
+      v::vf w[J];
+      for (int j = 0; j < J; ++j) w[j] = v::set1(sc[j * kMaxChunk + p]);
+      for (int c = 0; c < C; ++c) {
+        const v::vf x = v::load(row + W * c);
+        for (int j = 0; j < J; ++j) acc[j][c] = v::fmadd(w[j], x, acc[j][c]);
+      }
+    }
+    for (int j = 0; j < J; ++j)
+      for (int c = 0; c < C; ++c) v::store(out + j * D + W * (c0 + c), acc[j][c]);
+  }
+}
+
+// attend_kv_head for a run of rows of one sequence (a prefill block) over the same chunk, as a small
+// matrix product: the chunk's K and V rows of this KV head are widened to float32 once for all rows (in
+// `widened`, 2 * kMaxChunk * D floats; a float32 cache is read in place), then scored 64 positions at a
+// time (kept in L1) against every row's query heads two by two, and summed into values three heads at a
+// time. Each row's result is bitwise what attend_kv_head gives it alone. scores holds count * g heads'
+// scores (kMaxChunk apart); at holds kMaxChunk + 4 offsets.
+template <typename T, int D>
+void attend_kv_head_rows(const float* const* q_rows, const int* contexts, const size_t* part_at, int count,
+                         const T* k_cache, const T* v_cache, const int64_t* offsets, int n_max, int lo, int len,
+                         int kv, const Shape& s, float* scores, float* widened, int64_t* at,
+                         float* part_max, float* part_sum, float* part_acc) {
+  constexpr int kSubBlock = 64;
+  const int g = s.group;
+  const int padded = (n_max + 3) / 4 * 4;
+  const float *k_head, *v_head;
+  if constexpr (std::is_same_v<T, float>) {
+    k_head = k_cache + kv * D, v_head = v_cache + kv * D;
+    for (int p = 0; p < padded; ++p) at[p] = offsets[p < n_max ? p : 0];
+  } else {
+    float* kw = widened;
+    float* vw = widened + kMaxChunk * D;
+    for (int p = 0; p < n_max; ++p) {
+      const T* k = k_cache + offsets[p] + kv * D;
+      const T* x = v_cache + offsets[p] + kv * D;
+      for (int c = 0; c < D; c += W) v::store(kw + p * D + c, v::load(k + c)), v::store(vw + p * D + c, v::load(x + c));
+    }
+    for (int p = 0; p < padded; ++p) at[p] = static_cast<int64_t>(p < n_max ? p : 0) * D;
+    k_head = kw, v_head = vw;
+  }
+  auto positions = [&](int i) { return contexts[i] <= lo ? 0 : (contexts[i] < lo + len ? contexts[i] : lo + len) - lo; };
+  const int queries = count * g;  // query vector u: row u / g, head kv * g + u % g
+  auto query = [&](int u) { return q_rows[u / g] + static_cast<int64_t>(kv * g + u % g) * D; };
+  for (int pb = 0; pb < padded; pb += kSubBlock) {
+    const int pe = pb + kSubBlock < padded ? pb + kSubBlock : padded;
+    for (int u = 0; u < queries; u += 2) {
+      const int w = u + 1 < queries ? u + 1 : u;  // an odd last query is scored twice
+      const int n = positions(u / g) > positions(w / g) ? positions(u / g) : positions(w / g);
+      const int hi = ((n < pe ? n : pe) + 3) / 4 * 4;
+      if (hi > pb)
+        score_two_queries<D>(query(u), query(w), k_head, at, pb, hi, s.scale, scores + u * kMaxChunk,
+                             scores + w * kMaxChunk);
+    }
+  }
+  for (int i = 0; i < count; ++i) {
+    const int n = positions(i);
+    if (n == 0) continue;
+    float* sc_row = scores + i * g * kMaxChunk;
+    for (int j = 0; j < g; ++j) {  // positions attend_kv_head reduces one by one
+      const float* qj = query(i * g + j);
+      for (int p = reduced_in_fours<D>(n); p < n; ++p) {
+        const float* k = k_head + at[p];
+        v::vf a = v::mul(v::load(qj), v::load(k));
+        for (int c = 1; c < D / W; ++c) a = v::fmadd(v::load(qj + W * c), v::load(k + W * c), a);
+        sc_row[j * kMaxChunk + p] = v::reduce_add(a) * s.scale;
+      }
+    }
+    const size_t heads = part_at[i] + static_cast<size_t>(kv) * g;
+    for (int j0 = 0; j0 < g; j0 += 4) {
+      const int c = g - j0 < 4 ? g - j0 : 4;
+      group_softmax_parts(sc_row + j0 * kMaxChunk, c, n, part_max + heads + j0, part_sum + heads + j0);
+    }
+    for (int j0 = 0; j0 < g; j0 += 3) {
+      const float* sc = sc_row + j0 * kMaxChunk;
+      float* out = part_acc + (heads + j0) * D;
+      switch (g - j0 < 3 ? g - j0 : 3) {
+        case 1: weighted_float_values<D, 1>(v_head, at, n, sc, out); break;
+        case 2: weighted_float_values<D, 2>(v_head, at, n, sc, out); break;
+        default: weighted_float_values<D, 3>(v_head, at, n, sc, out); break;
+      }
     }
   }
 }
@@ -275,6 +425,17 @@ void attend_rows(const float* const* q_rows, const int* contexts, const size_t* 
       for (int i = 0; i < count; ++i) longest = contexts[i] > longest ? contexts[i] : longest;
       const int n_max = (longest < lo + len ? longest : lo + len) - lo;
       chunk_offsets(table, lo, n_max, s.block_size, static_cast<int64_t>(s.num_kv_heads) * D, offsets);
+      if (count > 1) {
+        thread_local std::vector<float> widened, block_scores;
+        thread_local std::vector<int64_t> at;
+        widened.resize(2 * kMaxChunk * D);
+        block_scores.resize(static_cast<size_t>(count) * s.group * kMaxChunk);
+        at.resize(kMaxChunk + 4);
+        for (int kv = 0; kv < s.num_kv_heads; ++kv)
+          attend_kv_head_rows<T, D>(q_rows, contexts, part_at, count, k_cache, v_cache, offsets, n_max, lo, len, kv,
+                                    s, block_scores.data(), widened.data(), at.data(), part_max, part_sum, part_acc);
+        return;
+      }
       for (int kv = 0; kv < s.num_kv_heads; ++kv)
         for (int i = 0; i < count; ++i) {
           if (contexts[i] <= lo) continue;

@@ -89,6 +89,14 @@ inline void quantize_row8(const float* x, int64_t k, int8_t* digits, float* scal
   }
 }
 
+// The running 16-bit sums, kept as a chain in registers: integer adds reassociate, and GCC turned each
+// block's eight steps into a tree over every product, which spilled them to the stack (the kernel ran at
+// 60% of its port limit). The empty asm only pins the value; it emits nothing.
+inline __m256i in_register(__m256i v) {
+  __asm__("" : "+x"(v));
+  return v;
+}
+
 inline __m256i broadcast4(const int8_t* p) {  // four input digits, in every 32-bit lane
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -96,12 +104,14 @@ inline __m256i broadcast4(const int8_t* p) {  // four input digits, in every 32-
 }
 
 // Columns 16 g + 8 half .. + 8 of group g for M rows, H halves (1 or 2) from `half` on. Two: two input
-// digits (16-bit inputs), else one (8-bit).
-template <int M, int H, bool Two>
+// digits (16-bit inputs), else one (8-bit). The code width and the offset are template arguments too, so
+// that only the sums a format uses are live: with run-time flags the compiler kept all of them and
+// spilled the accumulators to the stack.
+template <int M, int H, bool Two, bool FourBit, bool HasOffset>
 void tile(const KvflowPackedWeight& w, int64_t g, int half, const Rows& rows, float* y, int64_t y_stride) {
   const int64_t nb = w.k / kBlock;
   const size_t chunk = chunk_bytes(w), codes_end = code_bytes(w);
-  const bool has_offset = w.has_offset != 0, four_bit = w.bits == 4;
+  constexpr bool has_offset = HasOffset, four_bit = FourBit;
   const uint8_t* base = w.data + static_cast<size_t>(g) * nb * chunk;
   const __m256i low_nibble = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
   __m256 acc[M][H];
@@ -122,17 +132,17 @@ void tile(const KvflowPackedWeight& w, int64_t g, int half, const Rows& rows, fl
       for (int r = 0; r < M; ++r) {
         const __m256i xh = broadcast4(rows.hi + r * rows.stride + b * kBlock + 4 * quad);
         for (int h = 0; h < H; ++h)
-          s16[r][h][0][nibble] = _mm256_add_epi16(s16[r][h][0][nibble], _mm256_maddubs_epi16(codes[h], xh));
+          s16[r][h][0][nibble] = in_register(_mm256_add_epi16(s16[r][h][0][nibble], _mm256_maddubs_epi16(codes[h], xh)));
         if constexpr (Two) {
           const __m256i xl = broadcast4(rows.lo + r * rows.stride + b * kBlock + 4 * quad);
           for (int h = 0; h < H; ++h)
-            s16[r][h][1][nibble] = _mm256_add_epi16(s16[r][h][1][nibble], _mm256_maddubs_epi16(codes[h], xl));
+            s16[r][h][1][nibble] = in_register(_mm256_add_epi16(s16[r][h][1][nibble], _mm256_maddubs_epi16(codes[h], xl)));
         }
       }
     };
     constexpr std::integral_constant<int, 0> low;
     constexpr std::integral_constant<int, 1> high;
-    if (four_bit) {
+    if constexpr (four_bit) {
       for (int row = 0; row < 4; ++row) {  // low nibbles are inputs 8 row .. +3, high ones +4 .. +7
         __m256i lo[H], hi[H];
         for (int h = 0; h < H; ++h) {
@@ -158,20 +168,20 @@ void tile(const KvflowPackedWeight& w, int64_t g, int half, const Rows& rows, fl
     for (int h = 0; h < H; ++h) {
       const uint8_t* s = base + at + codes_end + 16 * (half + h);
       const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
-      const __m256 offset =
-          has_offset ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32))) : _mm256_setzero_ps();
+      __m256 offset = _mm256_setzero_ps();
+      if constexpr (has_offset) offset = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32)));
       for (int r = 0; r < M; ++r) {
         __m256i dot_h = _mm256_madd_epi16(s16[r][h][0][0], ones);
-        if (!four_bit) dot_h = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(s16[r][h][0][1], ones), 4), dot_h);
+        if constexpr (!four_bit) dot_h = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(s16[r][h][0][1], ones), 4), dot_h);
         __m256i dot = dot_h;
         if constexpr (Two) {
           __m256i dot_l = _mm256_madd_epi16(s16[r][h][1][0], ones);
-          if (!four_bit) dot_l = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(s16[r][h][1][1], ones), 4), dot_l);
+          if constexpr (!four_bit) dot_l = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(s16[r][h][1][1], ones), 4), dot_l);
           dot = _mm256_add_epi32(_mm256_slli_epi32(dot_h, 8), dot_l);
         }
         const __m256 col_scale = _mm256_mul_ps(scale, _mm256_set1_ps(rows.scale[r * rows.blocks + b]));
         acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), col_scale, acc[r][h]);
-        if (has_offset) acc[r][h] = _mm256_fmadd_ps(offset, _mm256_set1_ps(rows.sum[r * rows.blocks + b]), acc[r][h]);
+        if constexpr (has_offset) acc[r][h] = _mm256_fmadd_ps(offset, _mm256_set1_ps(rows.sum[r * rows.blocks + b]), acc[r][h]);
       }
     }
   }
@@ -212,12 +222,19 @@ struct Avx2 {
   template <int M, bool Two>
   static void blocks(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y,
                      int64_t ys) {
+    if (w.bits == 4)
+      w.has_offset ? groups<M, Two, true, true>(w, g_lo, g_hi, rows, y, ys) : groups<M, Two, true, false>(w, g_lo, g_hi, rows, y, ys);
+    else
+      w.has_offset ? groups<M, Two, false, true>(w, g_lo, g_hi, rows, y, ys) : groups<M, Two, false, false>(w, g_lo, g_hi, rows, y, ys);
+  }
+  template <int M, bool Two, bool FourBit, bool HasOffset>
+  static void groups(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y, int64_t ys) {
     for (int64_t g = g_lo; g < g_hi; ++g) {
-      if (M == 1 && w.bits == 4) {
-        avx2::tile<1, 2, Two>(w, g, 0, rows, y, ys);
+      if constexpr (M == 1 && FourBit) {
+        avx2::tile<1, 2, Two, FourBit, HasOffset>(w, g, 0, rows, y, ys);
       } else {
-        avx2::tile<M, 1, Two>(w, g, 0, rows, y, ys);
-        avx2::tile<M, 1, Two>(w, g, 1, rows, y, ys);
+        avx2::tile<M, 1, Two, FourBit, HasOffset>(w, g, 0, rows, y, ys);
+        avx2::tile<M, 1, Two, FourBit, HasOffset>(w, g, 1, rows, y, ys);
       }
     }
   }
