@@ -1,12 +1,15 @@
 """Read a GGUF file: its metadata as a Hugging Face style config, and its tensors under Hugging Face names.
 
-Quantized tensors are dequantized to float32 here; `iter_gguf_raw` instead hands Q4_0/Q4_1/Q8_0 weights
-over as their block bytes, for the packed layers of `--quantization gguf` (loader/quantized_loading.py).
+Quantized tensors are dequantized to float32 here, by the `gguf` package's dequantizer (every type it
+knows loads); `iter_gguf_raw` instead hands the PACKED_TYPES weights over as their block bytes, for the
+packed layers of `--quantization gguf` (loader/quantized_loading.py).
 """
 
 from __future__ import annotations
 
+import logging
 import re
+from collections import Counter
 from collections.abc import Container, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +24,18 @@ GGUF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
-SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
-PACKED_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # block formats kvflow.layers.quant runs without dequantizing
+log = logging.getLogger("kvflow")
+
+FLOAT_TENSOR_TYPES = ("F32", "F16", "BF16")
+# Block formats kvflow.layers.quant runs without dequantizing (layers/quant/packing.py PACKED_BITS).
+PACKED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q4_K", "Q5_K")
+
+
+def dequantizable_types() -> tuple[str, ...]:
+    """Every quantized type the installed `gguf` package can dequantize (K-quants, I-quants, MXFP4...)."""
+    from gguf import quants
+
+    return tuple(sorted(t.name for t in getattr(quants, "_type_traits", {})))
 
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
@@ -108,12 +121,18 @@ def hf_config_from_gguf(reader, path: Path) -> dict:
 
 
 def _check_tensor_types(reader, path: Path) -> None:
+    known = set(FLOAT_TENSOR_TYPES) | set(dequantizable_types())
     for t in reader.tensors:
-        if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
+        if t.tensor_type.name not in known:
             raise UnsupportedModelError(
                 f"{path.name}: tensor {t.name} has type {t.tensor_type.name}, which is not supported; "
-                f"supported: {', '.join(SUPPORTED_TENSOR_TYPES)}"
+                f"supported: {', '.join(sorted(known))}"
             )
+    unpacked = Counter(t.tensor_type.name for t in reader.tensors
+                       if t.tensor_type.name not in FLOAT_TENSOR_TYPES + PACKED_TYPES)
+    if unpacked:
+        log.info("%s: %s have no packed kernel; their weights are dequantized to float at load (gguf package)",
+                 path.name, ", ".join(f"{n} tensors of {name}" for name, n in sorted(unpacked.items())))
 
 
 def _dequantize(tensor) -> np.ndarray:

@@ -1,7 +1,8 @@
 """`--quantization`: weights that stay packed integers in memory, on CPU.
 
-gguf       a GGUF file's Q4_0 / Q4_1 / Q8_0 weights become packed layers straight from the file's bytes,
-           before any float tensor is read (`pack_gguf`); the rest (norms, K-quants, F16) loads as float.
+gguf       a GGUF file's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL weights become packed layers straight
+           from the file's bytes, before any float tensor is read (`pack_gguf`); the rest (norms, K-quants,
+           F16) loads as float.
            A tied Q8_0 token embedding is ONE packed copy: lm_head multiplies by it and the embedding
            looks rows up through it.
 int8/int4  float checkpoints: after the float load, every decoder Linear (and lm_head for int8) is
@@ -26,10 +27,9 @@ from kvflow.layers.quant import (
     quantize_weight,
     unpermute_rope_index,
 )
+from kvflow.layers.quant.packing import PACKED_BITS
 from kvflow.layers.quant.vocab import ExactTopLogits, PackedEmbedding
 from kvflow.loader import gguf_file
-
-_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
 
 
 def pack_gguf(model: nn.Module, raw_tensors: Iterable[gguf_file.RawTensor], dtype: torch.dtype) -> set[str]:
@@ -45,15 +45,18 @@ def pack_gguf(model: nn.Module, raw_tensors: Iterable[gguf_file.RawTensor], dtyp
             continue
         sources = ["embed_tokens.weight"] if name == "lm_head" and tied else _weight_sources(model, name)
         parts = [raws.get(s) for s in sources]
-        if None in parts or len({_BITS[p.qtype] for p in parts}) != 1:
+        if None in parts or len({PACKED_BITS[p.qtype] for p in parts}) != 1:
             continue
-        layer = gguf_linear(
-            [(p.data, p.qtype) for p in parts],
-            row_orders=[None if p.rope_heads is None else unpermute_rope_index(p.data.shape[0], p.rope_heads)
-                        for p in parts],
-            bias=module.bias,  # uninitialised here; the float pass fills it (Qwen2's q/k/v bias)
-            exact_rows=name == "lm_head",  # rows read back exactly: the embedding, ExactTopLogits
-        )
+        try:
+            layer = gguf_linear(
+                [(p.data, p.qtype) for p in parts],
+                row_orders=[None if p.rope_heads is None else unpermute_rope_index(p.data.shape[0], p.rope_heads)
+                            for p in parts],
+                bias=module.bias,  # uninitialised here; the float pass fills it (Qwen2's q/k/v bias)
+                exact_rows=name == "lm_head",  # rows read back exactly: the embedding, ExactTopLogits
+            )
+        except ValueError:  # codes no kernel here runs exactly (Q5_1 without kvflow's): load as float
+            continue
         _install(model, name, layer)
         consumed |= {p.gguf_name for p in parts}
     embed = raws.get("embed_tokens.weight")

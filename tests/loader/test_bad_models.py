@@ -9,33 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
+from gguf_files import write_gguf
 
 from kvflow.config import ModelConfig
 from kvflow.errors import ModelLoadError, UnsupportedModelError
 from kvflow.executors.model_setup import load_model
-
-
-def write_gguf(path: Path, arch: str, tensor_type: str) -> Path:
-    """A minimal GGUF: llama-style metadata and one tensor of the given type."""
-    import gguf
-
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(1)
-    writer.add_embedding_length(32)
-    writer.add_feed_forward_length(64)
-    writer.add_head_count(2)
-    writer.add_context_length(128)
-    qtype = gguf.GGMLQuantizationType[tensor_type]
-    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    raw = np.zeros((32, 256 // block * type_size), dtype=np.uint8)
-    writer.add_tensor("blk.0.attn_q.weight", raw, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 def run_cli(model: str) -> subprocess.CompletedProcess:
@@ -80,7 +59,7 @@ def bad_cases(tmp_path: Path, default_gguf: Path) -> dict[str, tuple[str, type, 
             str(write_gguf(tmp_path / "falcon.gguf", "falcon", "F32")), UnsupportedModelError, ["falcon", "llama"]
         ),
         "unsupported tensor type": (
-            str(write_gguf(tmp_path / "q2k.gguf", "llama", "Q2_K")), UnsupportedModelError, ["Q2_K", "Q4_1"]
+            str(write_gguf(tmp_path / "q8k.gguf", "llama", "Q8_K")), UnsupportedModelError, ["Q8_K", "Q4_1"]
         ),
         "unknown alias": ("smollm9-1t", ModelLoadError, ["smollm9-1t", "alias", "smollm2-135m"]),
     }

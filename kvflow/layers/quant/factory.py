@@ -12,7 +12,14 @@ from kvflow.layers.quant.int4_linear import Int4Linear
 from kvflow.layers.quant.int8_block_linear import Int8BlockLinear
 from kvflow.layers.quant.int8_linear import Int8Linear
 from kvflow.layers.quant.packed_linear import PackedLinear
-from kvflow.layers.quant.packing import BlockQuant, concat_rows, from_gguf, permute_rows
+from kvflow.layers.quant.packing import (
+    ROUNDED_SCALE_TYPES,
+    BlockQuant,
+    concat_rows,
+    from_gguf,
+    permute_rows,
+    round_scales_to_f16,
+)
 
 KERNELS = ("auto", "packed", "torch")
 
@@ -20,7 +27,7 @@ KERNELS = ("auto", "packed", "torch")
 def build_quant_linear(
     bq: BlockQuant, bias: torch.Tensor | None = None, exact_rows: bool = False, kernel: str = "auto"
 ) -> QuantLinear:
-    """Groups of 32 with float16 scales (GGUF Q4_0 / Q4_1 / Q8_0) -> PackedLinear where its kernel runs
+    """Groups of 32 with float16 scales (GGUF Q4_0 / Q4_1 / Q5_x / Q8_0 / IQ4_NL) -> PackedLinear where its kernel runs
     (kernel "auto" or "packed"); otherwise, on PyTorch's kernels ("torch"): 4-bit -> Int4Linear; symmetric
     8-bit per row -> Int8Linear; 8-bit per block -> Int8BlockLinear.
 
@@ -36,6 +43,10 @@ def build_quant_linear(
     n, k = bq.shape
     if bq.bits == 4:
         return Int4Linear(bq, bias, exact_rows=exact_rows)
+    if not torch.equal(bq.offset, -128.0 * bq.scale):
+        # PyTorch's int4 kernel holds an offset as a bfloat16 zero point: exact for Q8_0's centred codes,
+        # a bias of up to 2^-9 of 128 scales in every weight of a block for a free one (Q5_1).
+        raise ValueError("8-bit codes with a free offset (GGUF Q5_1) need kvflow's packed kernel")
     if bq.group_size == k and torch.equal(bq.offset, -128.0 * bq.scale) and not exact_rows:
         return Int8Linear(bq, bias)
     return Int8BlockLinear(bq, bias, exact_rows=exact_rows)
@@ -55,6 +66,8 @@ def gguf_linear(
     codes = []
     for i, (raw, qtype) in enumerate(parts):
         bq = from_gguf(raw, qtype)
+        if qtype in ROUNDED_SCALE_TYPES:
+            bq = round_scales_to_f16(bq)
         order = row_orders[i] if row_orders is not None else None
         codes.append(bq if order is None else permute_rows(bq, order))
     return build_quant_linear(concat_rows(codes) if len(codes) > 1 else codes[0], bias, exact_rows)

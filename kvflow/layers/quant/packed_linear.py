@@ -1,4 +1,5 @@
-"""4- and 8-bit group-wise linear on kvflow's own kernel (kernels/packed_matmul): GGUF Q4_0 / Q4_1 / Q8_0.
+"""4- and 8-bit group-wise linear on kvflow's own kernel (kernels/packed_matmul): GGUF Q4_0 / Q4_1 / Q8_0,
+and Q5_0 / Q5_1 / IQ4_NL as 8-bit codes.
 
 Where the kernels build (a C++ compiler; every CPU tier), it replaces Int4Linear and Int8BlockLinear: the codes
 and float16 scales are stored as the GGUF has them, so the weights it multiplies by are the file's own

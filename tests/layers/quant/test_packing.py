@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from kvflow.layers.quant import concat_rows, from_gguf, permute_rows, unpermute_rope_index
+from kvflow.layers.quant.packing import round_scales_to_f16
 from kvflow.loader.gguf_file import unpermute_rope
 
-TYPES = ("Q4_0", "Q4_1", "Q8_0")
+TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # the packed types gguf can quantize
 
 
 def gguf_bytes(w: np.ndarray, qtype: str) -> np.ndarray:
@@ -27,6 +28,46 @@ def test_dequantize_is_bit_exact(qtype):
     bq = from_gguf(raw, qtype)
     assert bq.shape == (96, 256) and bq.group_size == 32
     np.testing.assert_array_equal(bq.dequantize().numpy(), gguf_dequant(raw, qtype))
+
+
+def test_iq4_nl_random_blocks_are_bit_exact():
+    """IQ4_NL (gguf has no quantizer for it): random blocks, finite float16 scales, every index."""
+    rng = np.random.default_rng(2)
+    rows, blocks = 16, 8
+    d = rng.uniform(-2, 2, (rows, blocks, 1)).astype(np.float16).view(np.uint8)
+    qs = rng.integers(0, 256, (rows, blocks, 16), dtype=np.uint8)
+    raw = np.concatenate([d, qs], axis=-1).reshape(rows, -1)
+    bq = from_gguf(raw, "IQ4_NL")
+    assert bq.bits == 8 and bq.shape == (rows, blocks * 32)
+    np.testing.assert_array_equal(bq.dequantize().numpy(), gguf_dequant(raw, "IQ4_NL"))
+
+
+@pytest.mark.parametrize(("qtype", "size"), [("Q4_K", 144), ("Q5_K", 176)])
+def test_k_quant_random_super_blocks_are_bit_exact(qtype, size):
+    """Random super-blocks (finite float16 d and dmin; every scale, min and code pattern): the decoded
+    float32 scales reproduce gguf's dequantization exactly; rounded to float16 for the packed kernel, each
+    weight moves by at most 2^-11 of its block's |scale| * 31 + |offset|."""
+    rng = np.random.default_rng(3)
+    rows, supers = 8, 3
+    raw = rng.integers(0, 256, (rows, supers, size), dtype=np.uint8)
+    raw[..., 0:4] = rng.uniform(-1, 1, (rows, supers, 2)).astype(np.float16).view(np.uint8)
+    raw = raw.reshape(rows, -1)
+    bq = from_gguf(raw, qtype)
+    assert bq.shape == (rows, supers * 256) and bq.bits == (4 if qtype == "Q4_K" else 8)
+    expected = gguf_dequant(raw, qtype)
+    np.testing.assert_array_equal(bq.dequantize().numpy(), expected)
+    rounded = round_scales_to_f16(bq).dequantize().numpy()
+    bound = (np.abs(bq.scale.numpy()) * 31 + np.abs(bq.offset.numpy())) * (2.0**-11 + 2.0**-22) + 32 * 2.0**-25
+    assert (np.abs(rounded - expected).reshape(rows, -1, 32) <= bound[..., None]).all()
+
+
+def test_hand_built_q5_0_block_fifth_bits():
+    # d = 1; element j's fifth bit is bit j of the little-endian word after d.
+    q5 = np.arange(32, dtype=np.uint8)
+    qh = np.packbits(q5 >> 4, bitorder="little")
+    qs = (q5[:16] & 0x0F) | ((q5[16:] & 0x0F) << 4)
+    block = np.concatenate([np.array([1.0], dtype=np.float16).view(np.uint8), qh, qs])
+    assert torch.equal(from_gguf(block[None, :], "Q5_0").dequantize()[0], torch.arange(32.0) - 16)
 
 
 def test_hand_built_q4_1_block_nibble_order():
@@ -59,7 +100,7 @@ def test_concat_and_permute_rows_match_dequantized_ops():
 
 def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="no packed kernel"):
-        from_gguf(np.zeros((2, 36), np.uint8), "Q5_0")
+        from_gguf(np.zeros((2, 210), np.uint8), "Q6_K")
     with pytest.raises(ValueError, match="whole blocks"):
         from_gguf(np.zeros((2, 35), np.uint8), "Q8_0")
     a = from_gguf(np.zeros((2, 34), np.uint8), "Q8_0")

@@ -57,9 +57,11 @@ def test_kernel_weights_match_gguf(qtype, kernel):
         assert ((w_kernel - ref).abs() <= 1e-6 * group_max).all()
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 64])
 def test_forward_matches_float_reference(qtype, rows, kernel):
+    if qtype == "Q5_1" and kernel == "torch":
+        pytest.skip("PyTorch's kernels refuse Q5_1 codes (test_torch_kernels_refuse_a_free_8_bit_offset)")
     layer, ref = make_layer(qtype, kernel=kernel)
     x = torch.randn(rows, layer.in_features)
     y = layer(x)
@@ -116,3 +118,32 @@ def test_packed_size_is_what_we_promise(kernel):
         assert q8.nbytes() == weights + weights // 32 * 8  # two nibble halves, each with scale and zero
     else:
         assert q8.nbytes() == weights + weights // 32 * 4  # bytes + float16 scale and offset per group
+
+
+@pytest.mark.skipif(not packed_matmul.available(), reason="kvflow's packed kernel needs a C++ compiler")
+@pytest.mark.parametrize(("qtype", "size"), [("Q4_K", 144), ("Q5_K", 176), ("IQ4_NL", 18)])
+@pytest.mark.parametrize("rows", [1, 9])
+def test_k_quants_and_iq4_nl_run_on_the_packed_kernel(qtype, size, rows):
+    """Random blocks (gguf has no quantizer for these): the layer gguf_linear builds is packed, and its
+    output matches the float product with its own weights (the K-quants' scales rounded to float16)
+    within the kernel's bound."""
+    from kvflow.layers.quant import gguf_linear
+
+    rng = np.random.default_rng(4)
+    per_row = 18 if qtype == "IQ4_NL" else 3  # blocks per row: 576 or 768 inputs
+    raw = rng.integers(0, 256, (64, per_row, size), dtype=np.uint8)
+    scale_bytes = 2 if qtype == "IQ4_NL" else 4
+    raw[..., :scale_bytes] = rng.uniform(-0.01, 0.01, (64, per_row, scale_bytes // 2)).astype(np.float16).view(np.uint8)
+    layer = gguf_linear([(raw.reshape(64, -1), qtype)])
+    assert isinstance(layer, PackedLinear)
+    w = layer.dequantize().float()
+    x = torch.randn(rows, layer.in_features)
+    y = layer(x)
+    assert rel_err(y, x.double() @ w.double().t()) < RTOL_PACKED_KERNEL
+
+
+def test_torch_kernels_refuse_a_free_8_bit_offset():
+    """Q5_1's codes have a free offset, which PyTorch's int4 kernel would round to bfloat16 (a bias in every
+    weight of a block): without kvflow's kernel the layer is refused, and the loader keeps it float."""
+    with pytest.raises(ValueError, match="Q5_1"):
+        make_layer("Q5_1", kernel="torch")

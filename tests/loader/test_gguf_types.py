@@ -1,0 +1,57 @@
+"""Every GGUF tensor type the `gguf` package knows loads; the packed ones stay packed.
+
+The 5-bit types matter most: llama.cpp's Q4_K_M and Q5_K_M files store every tensor whose rows are not a
+multiple of 256 (most of SmolLM2's) as Q5_0, Q5_1 or Q8_0.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf_files import requantize, write_gguf
+
+from kvflow import LLM, SamplingParams
+from kvflow.layers.quant.packed_linear import PackedLinear
+from kvflow.layers.quant.packing import PACKED_BITS
+from kvflow.loader import gguf_file
+
+
+def test_the_packed_types_are_the_packing_table():
+    assert set(gguf_file.PACKED_TYPES) == set(PACKED_BITS)
+
+
+# Types without a packed kernel: loaded through the gguf package's dequantizer, exactly as it decodes them.
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "IQ4_XS", "MXFP4", "TQ1_0"])
+def test_a_type_without_a_packed_kernel_loads_dequantized(qtype, tmp_path, caplog):
+    path = write_gguf(tmp_path / f"{qtype}.gguf", "llama", qtype, random_bytes=True)
+    reader = gguf_file.open_gguf(path)
+    tensor = reader.tensors[0]
+    with caplog.at_level("INFO", logger="kvflow"):
+        cfg = gguf_file.hf_config_from_gguf(reader, path)
+    assert any(qtype in r.getMessage() and "dequantized" in r.getMessage() for r in caplog.records)
+    (name, weight), = list(gguf_file.iter_gguf_weights(reader, cfg))
+    assert name == "model.layers.0.self_attn.q_proj.weight" and weight.dtype == torch.float32
+    expected = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32))
+    np.testing.assert_array_equal(weight.numpy(), gguf_file.unpermute_rope(expected, 2).numpy())  # llama q rows
+
+
+@pytest.fixture(scope="module")
+def five_bit_gguf(tmp_path_factory, default_gguf):
+    """The default model with its attention weights in Q5_0 and its MLP weights in Q5_1."""
+    def pick(name: str) -> str | None:
+        return "Q5_0" if ".attn_" in name else ("Q5_1" if ".ffn_" in name else None)
+
+    return requantize(default_gguf, tmp_path_factory.mktemp("q5") / "smollm2-q5.gguf", pick)
+
+
+def test_five_bit_weights_stay_packed_and_answer(five_bit_gguf):
+    llm = LLM(str(five_bit_gguf), threads=2, max_model_len=1024)
+    model = llm.engine.runner.model
+    layer = model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, PackedLinear) and isinstance(layer.mlp.gate_up_proj, PackedLinear)
+    assert layer.mlp.down_proj.packed.bits == 8  # 5-bit codes run as 8-bit ones
+    answer = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                      SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
+    assert "Paris" in answer, answer
