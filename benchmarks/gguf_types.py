@@ -17,6 +17,7 @@ import ctypes
 import json
 import os
 import subprocess
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -78,14 +79,25 @@ def dequantizer_gap(path: Path, ggml: ctypes.CDLL) -> dict[str, float]:
     return gaps
 
 
-def kvflow_answer(path: Path) -> tuple[str, float]:
-    from kvflow import LLM, SamplingParams
+KVFLOW = r"""
+import json, sys, time
+from kvflow import LLM, SamplingParams
+start = time.perf_counter()
+llm = LLM(sys.argv[1], threads=2, max_model_len=1024)
+load = time.perf_counter() - start
+out = llm.chat([{"role": "user", "content": sys.argv[2]}], SamplingParams(temperature=0, max_tokens=12))
+print(json.dumps([out[0].outputs[0].text.strip(), load]))
+"""
 
-    start = time.perf_counter()
-    llm = LLM(str(path), threads=2, max_model_len=1024)
-    load = time.perf_counter() - start
-    out = llm.chat([{"role": "user", "content": QUESTION}], SamplingParams(temperature=0, max_tokens=12))
-    return out[0].outputs[0].text.strip(), load
+
+def kvflow_answer(path: Path) -> str:
+    """kvflow's answer and load time, in a process of its own (as a user starts it: one model a process)."""
+    proc = subprocess.run([sys.executable, "-c", KVFLOW, str(path), QUESTION], capture_output=True, text=True,
+                          timeout=900)
+    if proc.returncode != 0:
+        return f"refused: {proc.stderr.strip().splitlines()[-1][:120]}"
+    text, load = json.loads(proc.stdout.strip().splitlines()[-1])
+    return f"{text!r} (load {load:.1f} s)"
 
 
 def main() -> None:
@@ -112,11 +124,7 @@ def main() -> None:
             counts = Counter(t.tensor_type.name for t in gguf.GGUFReader(str(dst)).tensors if len(t.shape) == 2)
             packed = sum(n for name, n in counts.items() if name in PACKED_TYPES)
             mix = ", ".join(f"{name} {n}" for name, n in counts.most_common())
-            try:
-                ours, load = kvflow_answer(dst)
-                ours = f"{ours!r} (load {load:.1f} s)"
-            except Exception as exc:  # a refusal is a figure here
-                ours = f"refused: {str(exc)[:120]}"
+            ours = kvflow_answer(dst)
             theirs = peer("chat", str(dst), QUESTION)
             theirs = json.loads(theirs.stdout).strip() if theirs.returncode == 0 else theirs.stderr.strip()[-120:]
             gaps = ", ".join(f"{name} {gap:.1e}" for name, gap in dequantizer_gap(dst, ggml).items())
