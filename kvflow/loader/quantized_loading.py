@@ -27,7 +27,6 @@ from kvflow.layers.quant import (
     quantize_weight,
     unpermute_rope_index,
 )
-from kvflow.layers.quant.packing import PACKED_BITS
 from kvflow.layers.quant.vocab import ExactTopLogits, PackedEmbedding
 from kvflow.loader import gguf_file
 
@@ -36,7 +35,8 @@ def pack_gguf(model: nn.Module, raw_tensors: Iterable[gguf_file.RawTensor], dtyp
     """Swap every Linear (and the token embedding) whose GGUF weights are packed types for packed layers.
 
     Returns the GGUF names consumed, for the float loader to skip. A fused layer (q/k/v, gate/up) is packed
-    only when all of its parts are packed types of one bit width; otherwise it loads as float."""
+    when all of its parts are packed types (as 8-bit codes where their widths differ); otherwise it loads as
+    float."""
     raws = {r.hf_name.removeprefix("model."): r for r in raw_tensors}
     tied = model.arch.tie_word_embeddings
     consumed: set[str] = set()
@@ -45,7 +45,7 @@ def pack_gguf(model: nn.Module, raw_tensors: Iterable[gguf_file.RawTensor], dtyp
             continue
         sources = ["embed_tokens.weight"] if name == "lm_head" and tied else _weight_sources(model, name)
         parts = [raws.get(s) for s in sources]
-        if None in parts or len({PACKED_BITS[p.qtype] for p in parts}) != 1:
+        if None in parts:
             continue
         try:
             layer = gguf_linear(

@@ -15,6 +15,7 @@ from kvflow.layers.quant.packed_linear import PackedLinear
 from kvflow.layers.quant.packing import (
     ROUNDED_SCALE_TYPES,
     BlockQuant,
+    as_8_bit,
     concat_rows,
     from_gguf,
     permute_rows,
@@ -62,6 +63,7 @@ def gguf_linear(
 
     parts: (tensor.data [out, bytes], type name such as "Q4_1") per tensor, in fused order.
     row_orders: per part, a row index to apply first (packing.unpermute_rope_index for llama q/k), or None.
+    Parts of different code widths are all held as 8-bit codes (exactly: a 4-bit code is an 8-bit one).
     """
     codes = []
     for i, (raw, qtype) in enumerate(parts):
@@ -70,4 +72,6 @@ def gguf_linear(
             bq = round_scales_to_f16(bq)
         order = row_orders[i] if row_orders is not None else None
         codes.append(bq if order is None else permute_rows(bq, order))
+    if len({bq.bits for bq in codes}) > 1:  # a fused layer of 4- and 8-bit parts (a Q4_K q beside a Q5_0 k)
+        codes = [as_8_bit(bq) for bq in codes]
     return build_quant_linear(concat_rows(codes) if len(codes) > 1 else codes[0], bias, exact_rows)

@@ -118,6 +118,11 @@ def _k_scales_and_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return sc, m
 
 
+def as_8_bit(bq: BlockQuant) -> BlockQuant:
+    """The same weights as 8-bit codes (4-bit codes 0..15 are 8-bit ones), to fuse with 8-bit parts."""
+    return BlockQuant(bq.q, bq.scale, bq.offset, bq.group_size, 8)
+
+
 def round_scales_to_f16(bq: BlockQuant) -> BlockQuant:
     """The same codes with scales and offsets rounded to float16 (nearest), for the packed kernel."""
     return BlockQuant(bq.q, bq.scale.half().float(), bq.offset.half().float(), bq.group_size, bq.bits)

@@ -147,3 +147,21 @@ def test_torch_kernels_refuse_a_free_8_bit_offset():
     weight of a block): without kvflow's kernel the layer is refused, and the loader keeps it float."""
     with pytest.raises(ValueError, match="Q5_1"):
         make_layer("Q5_1", kernel="torch")
+
+
+@pytest.mark.skipif(not packed_matmul.available(), reason="kvflow's packed kernel needs a C++ compiler")
+def test_a_fused_layer_of_4_and_8_bit_parts_is_packed_as_8_bit():
+    """Q4_K_M and Q3_K_M files mix widths inside q/k/v (a 4-bit q beside a Q5_0 k): one 8-bit layer holds
+    them, with exactly the parts' weights."""
+    from kvflow.layers.quant import gguf_linear
+
+    rng = np.random.default_rng(5)
+    parts, refs = [], []
+    for qtype, n in (("Q4_0", 64), ("Q5_0", 32), ("Q8_0", 32)):
+        raw = gguf.quants.quantize(rng.standard_normal((n, 256)).astype(np.float32),
+                                   getattr(gguf.GGMLQuantizationType, qtype))
+        parts.append((raw, qtype))
+        refs.append(torch.from_numpy(gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, qtype))))
+    layer = gguf_linear(parts)
+    assert isinstance(layer, PackedLinear) and layer.packed.bits == 8
+    assert torch.equal(layer.dequantize(), torch.cat(refs))
