@@ -16,6 +16,7 @@ import torch
 
 from kvflow.errors import ModelLoadError
 from kvflow.loader import gguf_file, hf_folder, quantized_loading
+from kvflow.loader.load_progress import LoadProgress, model_bytes
 from kvflow.loader.resolve import ResolvedModel
 from kvflow.loader.tokenizer import load_tokenizer
 from kvflow.models.arch import ArchConfig
@@ -31,6 +32,7 @@ class ModelFiles:
     weights: Callable  # weights(skip=()) -> iterator of (HF name, float tensor); skips GGUF names loaded packed
     raw_weights: Callable  # () -> iterator of gguf_file.RawTensor (GGUF files only)
     tokenizer: Callable  # () -> tokenizer
+    num_tensors: int | None = None  # for the progress bar (GGUF files; None: not counted)
 
 
 def open_model_files(resolved: ResolvedModel) -> ModelFiles:
@@ -39,7 +41,8 @@ def open_model_files(resolved: ResolvedModel) -> ModelFiles:
         reader = gguf_file.open_gguf(resolved.path)
         cfg = gguf_file.hf_config_from_gguf(reader, resolved.path)
         files = ModelFiles(resolved, cfg, lambda skip=(): gguf_file.iter_gguf_weights(reader, cfg, skip),
-                           lambda: gguf_file.iter_gguf_raw(reader, cfg), lambda: load_tokenizer(resolved, reader))
+                           lambda: gguf_file.iter_gguf_raw(reader, cfg), lambda: load_tokenizer(resolved, reader),
+                           num_tensors=len(reader.tensors))
     else:
         cfg = hf_folder.read_config(resolved.path)
         files = ModelFiles(resolved, cfg, lambda skip=(): hf_folder.iter_weights(resolved.path), lambda: iter(()),
@@ -64,15 +67,20 @@ def load_weights(files: ModelFiles, arch: ArchConfig, dtype: torch.dtype, quanti
     cls = model_class_for(arch)
     with default_dtype(dtype), torch.device(device):
         model = cls(arch, max_positions=max_positions)
+    path = files.resolved.path
+    progress = LoadProgress(path.name, files.num_tensors, model_bytes(path))
     try:
         with torch.no_grad():
             packed = ()
             if quantization == "gguf":
-                packed = quantized_loading.pack_gguf(model, files.raw_weights(), dtype)
-            model.load_weights((name, t.to(device=device, dtype=dtype)) for name, t in files.weights(packed))
+                packed = quantized_loading.pack_gguf(model, progress.track(files.raw_weights()), dtype)
+            model.load_weights((name, t.to(device=device, dtype=dtype))
+                               for name, t in progress.track(files.weights(packed)))
             quantized_loading.quantize_linears(model, quantization)
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"{files.resolved.path}: {exc}") from exc
+    finally:
+        progress.close()
     return model.eval()
 
 
