@@ -413,10 +413,15 @@ void attend_kv_head_rows(const float* const* q_rows, const int* contexts, const 
 // (L1, or L2 for larger heads). Each row runs the same code as alone (attend_kv_head for head sizes 64
 // and 128 on vector tiers; attend_chunk otherwise), so its result is bitwise the same. Rows whose context
 // ends before the chunk are skipped. part_at[i] is where row i's partial results go.
+// KV heads [kv_lo, kv_hi) only, where heads_split_ok (the head-size-specialised path); all of them
+// otherwise.
+inline bool heads_split_ok(const Shape& s) { return W >= 4 && (s.head_dim == 64 || s.head_dim == 128); }
+
 template <typename T>
 void attend_rows(const float* const* q_rows, const int* contexts, const size_t* part_at, int count,
                  const T* k_cache, const T* v_cache, const int32_t* table, int lo, int len, const Shape& s,
-                 float* scores, int64_t* offsets, float* part_max, float* part_sum, float* part_acc) {
+                 int kv_lo, int kv_hi, float* scores, int64_t* offsets, float* part_max, float* part_sum,
+                 float* part_acc) {
   const int d = s.head_dim;
   if constexpr (W >= 4) {
     auto rows_with_kv_heads = [&](auto head_dim) {
@@ -431,12 +436,12 @@ void attend_rows(const float* const* q_rows, const int* contexts, const size_t* 
         widened.resize(2 * kMaxChunk * D);
         block_scores.resize(static_cast<size_t>(count) * s.group * kMaxChunk);
         at.resize(kMaxChunk + 4);
-        for (int kv = 0; kv < s.num_kv_heads; ++kv)
+        for (int kv = kv_lo; kv < kv_hi; ++kv)
           attend_kv_head_rows<T, D>(q_rows, contexts, part_at, count, k_cache, v_cache, offsets, n_max, lo, len, kv,
                                     s, block_scores.data(), widened.data(), at.data(), part_max, part_sum, part_acc);
         return;
       }
-      for (int kv = 0; kv < s.num_kv_heads; ++kv)
+      for (int kv = kv_lo; kv < kv_hi; ++kv)
         for (int i = 0; i < count; ++i) {
           if (contexts[i] <= lo) continue;
           const int n = (contexts[i] < lo + len ? contexts[i] : lo + len) - lo;

@@ -89,7 +89,7 @@ void run(const KvflowRows& in, T* k_cache, T* v_cache, const KvflowStep& step, f
   // Work items: a chunk of positions for a run of up to kRowBlock consecutive rows of one sequence with
   // the same chunk length (a one-token query is a run of one). Row i's result for its chunk c lands at
   // first_chunk[i] + c.
-  struct Item { int first_row, count, chunk, len; };
+  struct Item { int first_row, count, chunk, len, kv_lo, kv_hi; };
   thread_local std::vector<Item> items;
   items.clear();
   for (int i = 0; i < num_rows;) {
@@ -99,8 +99,19 @@ void run(const KvflowRows& in, T* k_cache, T* v_cache, const KvflowStep& step, f
            chunk_length(rows[end].context) == len)
       ++end;
     const int chunks = (rows[end - 1].context + len - 1) / len;  // the run's last row sees the most
-    for (int c = 0; c < chunks; ++c) items.push_back({i, end - i, c, len});
+    for (int c = 0; c < chunks; ++c) items.push_back({i, end - i, c, len, 0, hkv});
     i = end;
+  }
+  // Too few items to share (one sequence's decode over a short context): its items go one KV head each,
+  // so that both threads work. Each head's arithmetic is the same either way.
+  if (static_cast<int>(items.size()) < 2 * num_threads && hkv > 1 && heads_split_ok(s)) {
+    const size_t whole = items.size();
+    for (size_t it = 0; it < whole; ++it) {
+      const Item item = items[it];  // a copy: push_back may move the vector
+      if (item.count != 1) continue;
+      items[it].kv_hi = 1;
+      for (int kv = 1; kv < hkv; ++kv) items.push_back({item.first_row, 1, item.chunk, item.len, kv, kv + 1});
+    }
   }
   const int num_items = static_cast<int>(items.size());
   // Partial results per (row's chunk, query head): max, sum, acc[d].
@@ -137,7 +148,8 @@ void run(const KvflowRows& in, T* k_cache, T* v_cache, const KvflowStep& step, f
       }
       const Row& first = rows_at[item.first_row];
       attend_rows(q_rows, contexts, part_at, item.count, k_cache, v_cache, tables + first.seq * s.table_stride,
-                  item.chunk * item.len, item.len, s, scores.data(), offsets.data(), max_at, sum_at, acc_at);
+                  item.chunk * item.len, item.len, s, item.kv_lo, item.kv_hi, scores.data(), offsets.data(), max_at,
+                  sum_at, acc_at);
     });
     // (The loop above ends in a barrier: every chunk's partial results are written.) Each (row, head)
     // merges its chunks in chunk order, whichever thread takes it.
