@@ -24,7 +24,7 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
-from results_file import publish
+from results_file import publish, table_section
 
 HERE = Path(__file__).resolve().parent
 LLAMACPP_VENV = Path(os.environ.get("LLAMACPP_VENV", HERE.parent / ".venv-llamacpp"))
@@ -130,20 +130,14 @@ def main() -> None:
             gaps = ", ".join(f"{name} {gap:.1e}" for name, gap in dequantizer_gap(dst, ggml).items())
             rows.append(f"| {ftype} | {mix} | {packed} of {sum(counts.values())} | {ours} | {theirs!r} | {gaps} |")
             print(rows[-1], flush=True)
-    lines = [
-        f"### GGUF file types on the default model ({time.strftime('%Y-%m-%d %H:%M')}, CPU {cpu_features.cpu_name()})",
-        "",
+    publish(table_section(
+        f"GGUF file types on the default model ({time.strftime('%Y-%m-%d %H:%M')}, CPU {cpu_features.cpu_name()})",
         "`python benchmarks/gguf_types.py`: SmolLM2-135M-Instruct requantized from its Q4_1 file by llama.cpp's "
         f"quantizer; the question {QUESTION!r}, greedy, 12 tokens, in kvflow's fast mode (kernel tier "
         f"{cpu_features.isa_tier()}) and in llama.cpp (llama-cpp-python). Dequantizer gap: max |gguf package - "
         "llama.cpp's dequantize_row| / max |w| on the file's first tensor of each type.",
-        "",
-        "| file type | 2-D tensors by type | packed in kvflow | kvflow | llama.cpp | dequantizer gap |",
-        "|---|---|---|---|---|---|",
-        *rows,
-        "",
-    ]
-    publish("\n".join(lines), args.record)
+        ["file type", "2-D tensors by type", "packed in kvflow", "kvflow", "llama.cpp", "dequantizer gap"], rows),
+        args.record)
 
 
 if __name__ == "__main__":

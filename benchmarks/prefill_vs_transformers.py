@@ -15,7 +15,9 @@ import time
 
 import torch
 from bench_quant_linear import time_round_robin
-from results_file import publish
+from results_file import publish, table_section
+
+from kvflow.kernels import cpu_features
 
 
 def main() -> None:
@@ -39,7 +41,7 @@ def main() -> None:
     def kvflow_pass() -> None:
         llm.generate([{"prompt_token_ids": ids.tolist()}], one_token)
 
-    passes = {"kvflow (default: packed Q4_1, AMX prefill, many-row path)": kvflow_pass}
+    passes = {f"kvflow (default fast mode: packed Q4_1, kernel tier {cpu_features.isa_tier()})": kvflow_pass}
     for dtype in (torch.bfloat16, torch.float32):
         hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype).eval()
 
@@ -52,18 +54,13 @@ def main() -> None:
     rows = time_round_robin(passes, args.reps).items()
     base = {name: args.tokens / (micros * 1e-6) for name, micros in rows}
     hf_bf16 = base["transformers (bfloat16)"]
-    lines = [
-        f"### pp{args.tokens} against transformers ({time.strftime('%Y-%m-%d %H:%M')}, {args.threads} threads)",
-        "",
+    publish(table_section(
+        f"pp{args.tokens} against transformers ({time.strftime('%Y-%m-%d %H:%M')}, {args.threads} threads, "
+        f"CPU {cpu_features.cpu_name()}, kernel tier {cpu_features.isa_tier()})",
         f"`python benchmarks/prefill_vs_transformers.py --threads {args.threads}`, file {gguf.name}, one forward "
         f"pass of {args.tokens} tokens, median of {args.reps}.",
-        "",
-        "| engine | tokens/s | / transformers bf16 |",
-        "|---|---|---|",
-        *[f"| {name} | {tps:,.0f} | {tps / hf_bf16:.2f} |" for name, tps in base.items()],
-        "",
-    ]
-    publish("\n".join(lines), args.record)
+        ["engine", "tokens/s", "/ transformers bf16"],
+        [f"| {name} | {tps:,.0f} | {tps / hf_bf16:.2f} |" for name, tps in base.items()]), args.record)
 
 
 if __name__ == "__main__":

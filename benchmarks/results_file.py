@@ -12,3 +12,10 @@ def publish(text: str, record: bool) -> None:
     if record:
         with RESULTS.open("a") as f:
             f.write(text + "\n")
+
+
+def table_section(heading: str, intro: str, columns: list[str], rows: list[str]) -> str:
+    """A RESULTS.md section: a level-3 heading, a paragraph saying how the figures were made, and a table
+    (rows already formatted as `| a | b |`)."""
+    return "\n".join([f"### {heading}", "", intro, "", "| " + " | ".join(columns) + " |",
+                      "|" + "---|" * len(columns), *rows, ""])

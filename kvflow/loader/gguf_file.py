@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from kvflow.errors import ModelLoadError, UnsupportedModelError
+from kvflow.layers.quant.packing import PACKED_BITS
 
 GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -27,8 +28,7 @@ GGUF_ARCHITECTURES = {
 log = logging.getLogger("kvflow")
 
 FLOAT_TENSOR_TYPES = ("F32", "F16", "BF16")
-# Block formats kvflow.layers.quant runs without dequantizing (layers/quant/packing.py PACKED_BITS).
-PACKED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q4_K", "Q5_K")
+PACKED_TYPES = tuple(PACKED_BITS)  # block formats kvflow.layers.quant runs without dequantizing
 
 
 def dequantizable_types() -> tuple[str, ...]:

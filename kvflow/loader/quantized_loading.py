@@ -27,6 +27,7 @@ from kvflow.layers.quant import (
     quantize_weight,
     unpermute_rope_index,
 )
+from kvflow.layers.quant.factory import UnpackableCodes
 from kvflow.layers.quant.vocab import ExactTopLogits, PackedEmbedding
 from kvflow.loader import gguf_file
 
@@ -55,7 +56,7 @@ def pack_gguf(model: nn.Module, raw_tensors: Iterable[gguf_file.RawTensor], dtyp
                 bias=module.bias,  # uninitialised here; the float pass fills it (Qwen2's q/k/v bias)
                 exact_rows=name == "lm_head",  # rows read back exactly: the embedding, ExactTopLogits
             )
-        except ValueError:  # codes no kernel here runs exactly (Q5_1 without kvflow's): load as float
+        except UnpackableCodes:  # Q5_1 without kvflow's kernel: load as float
             continue
         _install(model, name, layer)
         consumed |= {p.gguf_name for p in parts}

@@ -14,12 +14,7 @@ from gguf_files import requantize, write_gguf
 
 from kvflow import LLM, SamplingParams
 from kvflow.layers.quant.packed_linear import PackedLinear
-from kvflow.layers.quant.packing import PACKED_BITS
 from kvflow.loader import gguf_file
-
-
-def test_the_packed_types_are_the_packing_table():
-    assert set(gguf_file.PACKED_TYPES) == set(PACKED_BITS)
 
 
 # Types without a packed kernel: loaded through the gguf package's dequantizer, exactly as it decodes them.

@@ -188,16 +188,29 @@ inline void weighted_values(const T* v_head, const int64_t* offsets, int n, cons
     for (int k = 0; k < V; ++k) v::store(acc_out + j * D + W * k, acc[j][k]);
 }
 
+// One position's score the one-at-a-time way: the per-lane FMA chain over D values, then reduce_add.
+template <typename T, int D>
+inline float lane_dot(const float* q, const T* k) {
+  v::vf a = v::mul(v::load(q), v::load(k));
+  for (int c = 1; c < D / W; ++c) a = v::fmadd(v::load(q + W * c), v::load(k + W * c), a);
+  return v::reduce_add(a);
+}
+
+// Each of g heads' softmax parts (scores kMaxChunk apart, up to four heads at a time).
+inline void softmax_parts(float* sc_group, int g, int n, float* max_out, float* sum_out) {
+  for (int j0 = 0; j0 < g; j0 += 4) {
+    const int count = g - j0 < 4 ? g - j0 : 4;
+    group_softmax_parts(sc_group + j0 * kMaxChunk, count, n, max_out + j0, sum_out + j0);
+  }
+}
+
 // The rest of attend_kv_head once its g heads' scores sit in sc_group (kMaxChunk apart): each head's
 // softmax parts, then its softmax-weighted V rows (v_head + offsets[i], J heads per pass).
 template <typename T, int D>
 inline void softmax_and_values(const T* v_head, const int64_t* offsets, int n, int g, float* sc_group,
                                float* max_out, float* sum_out, float* acc_out) {
   constexpr int J = Blocking<D>::J;
-  for (int j0 = 0; j0 < g; j0 += 4) {
-    const int count = g - j0 < 4 ? g - j0 : 4;
-    group_softmax_parts(sc_group + j0 * kMaxChunk, count, n, max_out + j0, sum_out + j0);
-  }
+  softmax_parts(sc_group, g, n, max_out, sum_out);
   for (int j0 = 0; j0 < g; j0 += J) {
     const float* sc = sc_group + j0 * kMaxChunk;
     float* out = acc_out + static_cast<int64_t>(j0) * D;
@@ -255,15 +268,9 @@ void attend_kv_head(const float* q, const T* k_cache, const T* v_cache, const in
       for (int i = 0; i < P; ++i) sc[i] = sums[i] * s.scale;
     }
   }
-  for (; p < n; ++p) {
-    const T* k = k_head + offsets[p];
-    for (int j = 0; j < g; ++j) {
-      const float* qj = q_group + j * D;
-      v::vf a = v::mul(v::load(qj), v::load(k));
-      for (int c = 1; c < V; ++c) a = v::fmadd(v::load(qj + W * c), v::load(k + W * c), a);
-      sc_group[j * kMaxChunk + p] = v::reduce_add(a) * s.scale;
-    }
-  }
+  for (; p < n; ++p)
+    for (int j = 0; j < g; ++j)
+      sc_group[j * kMaxChunk + p] = lane_dot<T, D>(q_group + j * D, k_head + offsets[p]) * s.scale;
   softmax_and_values<T, D>(v_head, offsets, n, g, sc_group, max_out + kv * g, sum_out + kv * g,
                            acc_out + static_cast<int64_t>(kv * g) * D);
 }
@@ -335,12 +342,25 @@ inline void weighted_float_values(const float* v_head, const int64_t* at, int n,
   }
 }
 
+// Where attend_kv_head_rows finds position p's K/V row of a KV head, for p up to n_max rounded up to
+// four (the extra ones repeat position 0, read and never used): the paged cache itself for a float32
+// cache (offsets from chunk_offsets), else the widened copy, D floats a position. The same for every
+// KV head.
+template <typename T, int D>
+inline void block_row_offsets(const int64_t* offsets, int n_max, int64_t* at) {
+  const int padded = (n_max + 3) / 4 * 4;
+  for (int p = 0; p < padded; ++p) {
+    const int from = p < n_max ? p : 0;
+    at[p] = std::is_same_v<T, float> ? offsets[from] : static_cast<int64_t>(from) * D;
+  }
+}
+
 // attend_kv_head for a run of rows of one sequence (a prefill block) over the same chunk, as a small
 // matrix product: the chunk's K and V rows of this KV head are widened to float32 once for all rows (in
 // `widened`, 2 * kMaxChunk * D floats; a float32 cache is read in place), then scored 64 positions at a
 // time (kept in L1) against every row's query heads two by two, and summed into values three heads at a
 // time. Each row's result is bitwise what attend_kv_head gives it alone. scores holds count * g heads'
-// scores (kMaxChunk apart); at holds kMaxChunk + 4 offsets.
+// scores (kMaxChunk apart); at, from block_row_offsets, locates positions [0, n_max rounded up to four).
 template <typename T, int D>
 void attend_kv_head_rows(const float* const* q_rows, const int* contexts, const size_t* part_at, int count,
                          const T* k_cache, const T* v_cache, const int64_t* offsets, int n_max, int lo, int len,
@@ -352,7 +372,6 @@ void attend_kv_head_rows(const float* const* q_rows, const int* contexts, const 
   const float *k_head, *v_head;
   if constexpr (std::is_same_v<T, float>) {
     k_head = k_cache + kv * D, v_head = v_cache + kv * D;
-    for (int p = 0; p < padded; ++p) at[p] = offsets[p < n_max ? p : 0];
   } else {
     float* kw = widened;
     float* vw = widened + kMaxChunk * D;
@@ -361,7 +380,6 @@ void attend_kv_head_rows(const float* const* q_rows, const int* contexts, const 
       const T* x = v_cache + offsets[p] + kv * D;
       for (int c = 0; c < D; c += W) v::store(kw + p * D + c, v::load(k + c)), v::store(vw + p * D + c, v::load(x + c));
     }
-    for (int p = 0; p < padded; ++p) at[p] = static_cast<int64_t>(p < n_max ? p : 0) * D;
     k_head = kw, v_head = vw;
   }
   auto positions = [&](int i) { return contexts[i] <= lo ? 0 : (contexts[i] < lo + len ? contexts[i] : lo + len) - lo; };
@@ -382,20 +400,11 @@ void attend_kv_head_rows(const float* const* q_rows, const int* contexts, const 
     const int n = positions(i);
     if (n == 0) continue;
     float* sc_row = scores + i * g * kMaxChunk;
-    for (int j = 0; j < g; ++j) {  // positions attend_kv_head reduces one by one
-      const float* qj = query(i * g + j);
-      for (int p = reduced_in_fours<D>(n); p < n; ++p) {
-        const float* k = k_head + at[p];
-        v::vf a = v::mul(v::load(qj), v::load(k));
-        for (int c = 1; c < D / W; ++c) a = v::fmadd(v::load(qj + W * c), v::load(k + W * c), a);
-        sc_row[j * kMaxChunk + p] = v::reduce_add(a) * s.scale;
-      }
-    }
+    for (int j = 0; j < g; ++j)  // positions attend_kv_head reduces one by one
+      for (int p = reduced_in_fours<D>(n); p < n; ++p)
+        sc_row[j * kMaxChunk + p] = lane_dot<float, D>(query(i * g + j), k_head + at[p]) * s.scale;
     const size_t heads = part_at[i] + static_cast<size_t>(kv) * g;
-    for (int j0 = 0; j0 < g; j0 += 4) {
-      const int c = g - j0 < 4 ? g - j0 : 4;
-      group_softmax_parts(sc_row + j0 * kMaxChunk, c, n, part_max + heads + j0, part_sum + heads + j0);
-    }
+    softmax_parts(sc_row, g, n, part_max + heads, part_sum + heads);
     for (int j0 = 0; j0 < g; j0 += 3) {
       const float* sc = sc_row + j0 * kMaxChunk;
       float* out = part_acc + (heads + j0) * D;
@@ -436,6 +445,7 @@ void attend_rows(const float* const* q_rows, const int* contexts, const size_t* 
         widened.resize(2 * kMaxChunk * D);
         block_scores.resize(static_cast<size_t>(count) * s.group * kMaxChunk);
         at.resize(kMaxChunk + 4);
+        block_row_offsets<T, D>(offsets, n_max, at.data());
         for (int kv = kv_lo; kv < kv_hi; ++kv)
           attend_kv_head_rows<T, D>(q_rows, contexts, part_at, count, k_cache, v_cache, offsets, n_max, lo, len, kv,
                                     s, block_scores.data(), widened.data(), at.data(), part_max, part_sum, part_acc);

@@ -25,6 +25,10 @@ from kvflow.layers.quant.packing import (
 KERNELS = ("auto", "packed", "torch")
 
 
+class UnpackableCodes(ValueError):
+    """No kernel here holds these codes exactly; the caller keeps the weights as float."""
+
+
 def build_quant_linear(
     bq: BlockQuant, bias: torch.Tensor | None = None, exact_rows: bool = False, kernel: str = "auto"
 ) -> QuantLinear:
@@ -47,7 +51,7 @@ def build_quant_linear(
     if not torch.equal(bq.offset, -128.0 * bq.scale):
         # PyTorch's int4 kernel holds an offset as a bfloat16 zero point: exact for Q8_0's centred codes,
         # a bias of up to 2^-9 of 128 scales in every weight of a block for a free one (Q5_1).
-        raise ValueError("8-bit codes with a free offset (GGUF Q5_1) need kvflow's packed kernel")
+        raise UnpackableCodes("8-bit codes with a free offset (GGUF Q5_1) need kvflow's packed kernel")
     if bq.group_size == k and torch.equal(bq.offset, -128.0 * bq.scale) and not exact_rows:
         return Int8Linear(bq, bias)
     return Int8BlockLinear(bq, bias, exact_rows=exact_rows)

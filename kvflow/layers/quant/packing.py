@@ -7,9 +7,10 @@ Every format here is an affine code per group of `group_size` inputs along a row
 GGUF Q8_0 (q8 signed, w = d*q8) becomes q = q8 + 128, offset = -128 d; Q4_0 (w = d*(q-8)) becomes
 offset = -8 d; Q4_1 (w = d*q + m) is already affine. The 5-bit formats and IQ4_NL become 8-bit codes (the
 packed kernel has 4- and 8-bit codes): Q5_0 (w = d*(q5-16)) q = q5 + 112, offset = -128 d (Q8_0's
-centring, which PyTorch's int4 kernel needs to stay exact); Q5_1 (w = d*q5 + m) q = q5, offset = m; IQ4_NL (w = d*table[i], a fixed 16-entry table of int8 values) q = table[i] + 128,
-offset = -128 d. With d an f16 value, d*q and the offset are exact in float32, so `dequantize`
-reproduces gguf.quants.dequantize bit for bit.
+centring, which PyTorch's int4 kernel needs to stay exact); Q5_1 (w = d*q5 + m) q = q5, offset = m;
+IQ4_NL (w = d*table[i], a fixed 16-entry table of int8 values) q = table[i] + 128, offset = -128 d.
+With d an f16 value, d*q and the offset are exact in float32, so `dequantize` reproduces
+gguf.quants.dequantize bit for bit.
 
 The K-quants Q4_K and Q5_K (super-blocks of 256: an f16 d and dmin, and per sub-block of 32 a 6-bit scale
 sc and min m) are affine per 32 too: scale = d*sc, offset = -dmin*m, 4-bit or (Q5_K) 8-bit codes, decoded

@@ -15,12 +15,13 @@ import torch
 
 from kvflow.kernels import packed_matmul
 from kvflow.layers.quant import Int4Linear, Int8BlockLinear, PackedLinear, build_quant_linear, from_gguf
+from kvflow.layers.quant.factory import UnpackableCodes
 
 RTOL_Y = 1e-2
 RTOL_PACKED_KERNEL = 1e-4
 # The packed kernel builds for every CPU tier but needs a C++ compiler; CI's machines have one.
-KERNELS = ["torch", pytest.param("packed", marks=pytest.mark.skipif(
-    not packed_matmul.available(), reason="kvflow's packed kernel needs a C++ compiler"))]
+needs_packed_kernel = pytest.mark.skipif(not packed_matmul.available(), reason="kvflow's packed kernel needs a C++ compiler")
+KERNELS = ["torch", pytest.param("packed", marks=needs_packed_kernel)]
 
 
 @pytest.fixture(params=KERNELS)
@@ -61,7 +62,11 @@ def test_kernel_weights_match_gguf(qtype, kernel):
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 64])
 def test_forward_matches_float_reference(qtype, rows, kernel):
     if qtype == "Q5_1" and kernel == "torch":
-        pytest.skip("PyTorch's kernels refuse Q5_1 codes (test_torch_kernels_refuse_a_free_8_bit_offset)")
+        # Q5_1's free offset would become a bfloat16 zero point in PyTorch's int4 kernel (a bias in every
+        # weight of a block): the layer is refused, and the loader keeps such weights float.
+        with pytest.raises(UnpackableCodes, match="Q5_1"):
+            make_layer(qtype, kernel=kernel)
+        return
     layer, ref = make_layer(qtype, kernel=kernel)
     x = torch.randn(rows, layer.in_features)
     y = layer(x)
@@ -120,7 +125,7 @@ def test_packed_size_is_what_we_promise(kernel):
         assert q8.nbytes() == weights + weights // 32 * 4  # bytes + float16 scale and offset per group
 
 
-@pytest.mark.skipif(not packed_matmul.available(), reason="kvflow's packed kernel needs a C++ compiler")
+@needs_packed_kernel  # gguf_linear picks the packed kernel; without a compiler there is none to test
 @pytest.mark.parametrize(("qtype", "size"), [("Q4_K", 144), ("Q5_K", 176), ("IQ4_NL", 18)])
 @pytest.mark.parametrize("rows", [1, 9])
 def test_k_quants_and_iq4_nl_run_on_the_packed_kernel(qtype, size, rows):
@@ -142,14 +147,7 @@ def test_k_quants_and_iq4_nl_run_on_the_packed_kernel(qtype, size, rows):
     assert rel_err(y, x.double() @ w.double().t()) < RTOL_PACKED_KERNEL
 
 
-def test_torch_kernels_refuse_a_free_8_bit_offset():
-    """Q5_1's codes have a free offset, which PyTorch's int4 kernel would round to bfloat16 (a bias in every
-    weight of a block): without kvflow's kernel the layer is refused, and the loader keeps it float."""
-    with pytest.raises(ValueError, match="Q5_1"):
-        make_layer("Q5_1", kernel="torch")
-
-
-@pytest.mark.skipif(not packed_matmul.available(), reason="kvflow's packed kernel needs a C++ compiler")
+@needs_packed_kernel  # gguf_linear picks the packed kernel; without a compiler there is none to test
 def test_a_fused_layer_of_4_and_8_bit_parts_is_packed_as_8_bit():
     """Q4_K_M and Q3_K_M files mix widths inside q/k/v (a 4-bit q beside a Q5_0 k): one 8-bit layer holds
     them, with exactly the parts' weights."""
