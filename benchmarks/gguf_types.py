@@ -85,19 +85,31 @@ from kvflow import LLM, SamplingParams
 start = time.perf_counter()
 llm = LLM(sys.argv[1], threads=2, max_model_len=1024)
 load = time.perf_counter() - start
-out = llm.chat([{"role": "user", "content": sys.argv[2]}], SamplingParams(temperature=0, max_tokens=12))
-print(json.dumps([out[0].outputs[0].text.strip(), load]))
+messages = [{"role": "user", "content": sys.argv[2]}]
+out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=12))
+del llm
+# The float reference (exact mode: float32 over the dequantized weights, as transformers computes): its
+# answer, and the smallest lead of a chosen token's log-probability over the runner-up's along it, in nats.
+# A small lead is where rounding decides the answer.
+exact = LLM(sys.argv[1], threads=2, max_model_len=1024, mode="exact", quantization="none")
+ref = exact.chat(messages, SamplingParams(temperature=0, max_tokens=12, logprobs=2))[0].outputs[0]
+leads = [(lambda top: top[0] - top[1])(sorted((lp.logprob for lp in step.values()), reverse=True))
+         for step in ref.logprobs]
+at = min(range(len(leads)), key=leads.__getitem__)
+print(json.dumps([out[0].outputs[0].text.strip(), load, ref.text.strip(), leads[at], at + 1]))
 """
 
 
-def kvflow_answer(path: Path) -> str:
-    """kvflow's answer and load time, in a process of its own (as a user starts it: one model a process)."""
+def kvflow_answer(path: Path) -> tuple[str, str]:
+    """kvflow's answer and load time, and the float reference's answer with its smallest lead over a
+    runner-up, in a process of its own (as a user starts it: one model a process)."""
     proc = subprocess.run([sys.executable, "-c", KVFLOW, str(path), QUESTION], capture_output=True, text=True,
                           timeout=900)
     if proc.returncode != 0:
-        return f"refused: {proc.stderr.strip().splitlines()[-1][:120]}"
-    text, load = json.loads(proc.stdout.strip().splitlines()[-1])
-    return f"{text!r} (load {load:.1f} s)"
+        return f"refused: {proc.stderr.strip().splitlines()[-1][:120]}", ""
+    text, load, ref, lead, at = json.loads(proc.stdout.strip().splitlines()[-1])
+    same = "same as kvflow" if ref == text else repr(ref)
+    return f"{text!r} (load {load:.1f} s)", f"{same}; smallest lead {lead:.3f} (token {at})"
 
 
 def main() -> None:
@@ -119,24 +131,28 @@ def main() -> None:
             dst = Path(tmp) / f"smollm2.{ftype}.gguf"
             made = peer("quantize", str(src), str(dst))
             if made.returncode != 0 or not dst.exists():
-                rows.append(f"| {ftype} | llama.cpp's quantizer failed: {made.stderr.strip()[-120:]} | | | | |")
+                rows.append(f"| {ftype} | llama.cpp's quantizer failed: {made.stderr.strip()[-120:]} | | | | | |")
                 continue
             counts = Counter(t.tensor_type.name for t in gguf.GGUFReader(str(dst)).tensors if len(t.shape) == 2)
             packed = sum(n for name, n in counts.items() if name in PACKED_TYPES)
             mix = ", ".join(f"{name} {n}" for name, n in counts.most_common())
-            ours = kvflow_answer(dst)
+            ours, reference = kvflow_answer(dst)
             theirs = peer("chat", str(dst), QUESTION)
             theirs = json.loads(theirs.stdout).strip() if theirs.returncode == 0 else theirs.stderr.strip()[-120:]
             gaps = ", ".join(f"{name} {gap:.1e}" for name, gap in dequantizer_gap(dst, ggml).items())
-            rows.append(f"| {ftype} | {mix} | {packed} of {sum(counts.values())} | {ours} | {theirs!r} | {gaps} |")
+            rows.append(f"| {ftype} | {mix} | {packed} of {sum(counts.values())} | {ours} | {theirs!r} | {reference} "
+                        f"| {gaps} |")
             print(rows[-1], flush=True)
     publish(table_section(
         f"GGUF file types on the default model ({time.strftime('%Y-%m-%d %H:%M')}, CPU {cpu_features.cpu_name()})",
         "`python benchmarks/gguf_types.py`: SmolLM2-135M-Instruct requantized from its Q4_1 file by llama.cpp's "
         f"quantizer; the question {QUESTION!r}, greedy, 12 tokens, in kvflow's fast mode (kernel tier "
         f"{cpu_features.isa_tier()}) and in llama.cpp (llama-cpp-python). Dequantizer gap: max |gguf package - "
-        "llama.cpp's dequantize_row| / max |w| on the file's first tensor of each type.",
-        ["file type", "2-D tensors by type", "packed in kvflow", "kvflow", "llama.cpp", "dequantizer gap"], rows),
+        "llama.cpp's dequantize_row| / max |w| on the file's first tensor of each type. Float reference: kvflow's "
+        "exact mode (float32 over the dequantized weights, transformers' arithmetic), its answer and the smallest "
+        "lead of a chosen token's log-probability over the runner-up's along it, in nats.",
+        ["file type", "2-D tensors by type", "packed in kvflow", "kvflow", "llama.cpp", "float reference",
+         "dequantizer gap"], rows),
         args.record)
 
 

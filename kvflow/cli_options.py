@@ -42,7 +42,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--quantization", default=None, choices=["none", "gguf", "int8", "int4"],
-                   help="CPU weight-only: gguf keeps a GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4_NL packed (the default for GGUF files "
+                   help="CPU weight-only: gguf keeps a GGUF's Q4_x/Q5_x/Q8_0/K-quant/IQ4 weights packed (the default for GGUF files "
                         "with --dtype auto on CPU); none: float weights; int8/int4 quantize a float checkpoint")
     g.add_argument("--compile", default=m.compile, choices=["auto", "on", "off"],
                    help="torch.compile the model (auto: on CPU with --dtype auto; first start about a minute, "

@@ -16,7 +16,7 @@ class ModelConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
     max_model_len: int | None = None  # None: the model's own context length
-    # None: automatic (a GGUF file's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4_NL weights stay packed in the default fast mode on CPU);
+    # None: automatic (a GGUF file's Q4_x/Q5_x/Q8_0/K-quant/IQ4 weights stay packed in the default fast mode on CPU);
     # "none": float weights; "gguf": packed GGUF weights; "int8" | "int4": quantize a float checkpoint.
     quantization: str | None = None
     threads: int | None = None  # CPU threads; None: the physical cores

@@ -3,7 +3,8 @@ file with its 2-D weights re-quantized to other types.
 
 `requantize` is the test stand-in for llama.cpp's quantizer (a peer, never a dependency): the metadata and
 tokenizer are copied as they are; each weight is dequantized and quantized again to the type `pick(name)` returns (None:
-copy the tensor unchanged). Only types the `gguf` package can quantize (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, F16...).
+copy the tensor unchanged). Types the `gguf` package can quantize (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, F16...), and
+Q6_K through `quantize_q6_k` (a plain round-to-nearest encoder: the gguf package has no K-quant quantizer).
 """
 
 from __future__ import annotations
@@ -53,9 +54,29 @@ def requantize(src: Path, dst: Path, pick: Callable[[str], str | None]) -> Path:
             continue
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         qtype = gguf.GGMLQuantizationType[target]
-        writer.add_tensor(t.name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        raw = quantize_q6_k(w) if target == "Q6_K" else gguf.quants.quantize(w, qtype)
+        writer.add_tensor(t.name, raw, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return dst
+
+
+def quantize_q6_k(w: np.ndarray) -> np.ndarray:
+    """float32 [rows, k] (k a multiple of 256) -> Q6_K bytes [rows, k / 256 * 210]: per 16 inputs an int8
+    scale of the super-block's float16 d, codes round(w / (d * sc)) + 32 in 0..63, laid out as ggml's
+    block_q6_K (128 bytes of low nibbles, 64 of high bit pairs, 16 scales, d)."""
+    rows, k = w.shape
+    x = w.reshape(rows, k // 256, 16, 16).astype(np.float64)
+    sub = np.abs(x).max(-1) / 31  # [rows, supers, 16]
+    d = (sub.max(-1, keepdims=True) / 127).astype(np.float16)
+    sc = np.clip(np.round(np.divide(sub, d, out=np.zeros_like(sub), where=d > 0)), -128, 127).astype(np.int8)
+    step = d.astype(np.float64) * sc
+    q = np.round(np.divide(x, step[..., None], out=np.zeros_like(x), where=step[..., None] > 0))
+    q = (np.clip(q, -32, 31) + 32).astype(np.uint8).reshape(rows, -1, 2, 2, 2, 32)  # [.., half, nib, w, l]
+    ql = (q[:, :, :, 0] & 0x0F) | ((q[:, :, :, 1] & 0x0F) << 4)  # [.., half, w, l]
+    high = q >> 4
+    qh = high[:, :, :, 0, 0] | (high[:, :, :, 0, 1] << 2) | (high[:, :, :, 1, 0] << 4) | (high[:, :, :, 1, 1] << 6)
+    parts = [ql.reshape(rows, -1, 128), qh.reshape(rows, -1, 64), sc.view(np.uint8), d.view(np.uint8)]
+    return np.concatenate(parts, axis=-1).reshape(rows, -1)

@@ -1,7 +1,7 @@
 """The execution plan: how a model will run, decided once, before any weight is read.
 
 Two modes:
-  fast   the default. On CPU: a GGUF file's packed types (Q4_0/Q4_1/Q5_x/Q8_0/IQ4_NL) stay packed, the cache holds
+  fast   the default. On CPU: a GGUF file's packed types (Q4_x/Q5_x/Q8_0/Q2_K-Q6_K/IQ4) stay packed, the cache holds
          float16, steps run through the native decoder (one C++ call a step) where the model allows, and
          many-row steps multiply bfloat16 copies where bfloat16 is native. A token's rounding may then
          depend on what else was in its step. On CUDA: the model's dtype, Triton attention, CUDA graphs.

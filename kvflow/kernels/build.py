@@ -28,8 +28,8 @@ from kvflow.kernels import cpu_features
 log = logging.getLogger("kvflow")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("tuning.cpp", "paged_attention.cpp", "packed_matmul.cpp", "packed_exact.cpp", "decoder_forward.cpp",
-           "prefill_attention_amx.cpp")
+SOURCES = ("tuning.cpp", "paged_attention.cpp", "packed_matmul.cpp", "packed_exact.cpp", "gguf_repack.cpp",
+           "decoder_forward.cpp", "prefill_attention_amx.cpp")
 COMMON_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-Wno-maybe-uninitialized")
 
 _X86_AVX2 = ("-mavx", "-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2", "-mpopcnt")

@@ -1,10 +1,10 @@
 """Python side of the packed-weight matmul (csrc/packed_matmul.cpp): the byte layout and the calls.
 
-`pack()` turns group-wise affine codes (w = scale * q + offset per group of 32 inputs: GGUF Q4_0 / Q4_1 /
-Q8_0 or our own int4/int8 quantization) into the kernel's layout, described in csrc/kvflow_cpu.h;
-`matmul()` runs it. The codes and the float16 scales are kept exactly, so the kernel computes with the
-GGUF's own weights; the only rounding it adds is the inputs' quantization to 16-bit integers per block of
-32 (2^-16 of the block's largest input).
+`pack()` turns group-wise affine codes (w = scale * q + offset per group of 32 inputs, or of 16 for the
+K-quants whose scales cover 16: GGUF Q4_0 / Q4_1 / Q8_0 / Q6_K ... or our own int4/int8 quantization) into
+the kernel's layout, described in csrc/kvflow_cpu.h; `matmul()` runs it. The codes and the float16 scales
+are kept exactly, so the kernel computes with the GGUF's own weights; the only rounding it adds is the
+inputs' quantization to 16-bit integers per block of the weight's group (2^-16 of the block's largest input).
 """
 
 from __future__ import annotations
@@ -13,12 +13,14 @@ import ctypes
 import functools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvflow.kernels import abi
-from kvflow.kernels.huge_pages import onto_huge_pages
+from kvflow.kernels.huge_pages import MIN_BYTES, huge_page_zeros, onto_huge_pages
 
 GROUP = 32  # inputs per block (one scale and offset per block and column)
+GROUPS = (32, 16)  # the block sizes the kernel takes: 16 for Q6_K / Q3_K / Q2_K scales
 COLUMNS = 16  # output columns side by side in one vector
 INPUT_STEPS = 32639  # inputs are quantized per block to integers within +-INPUT_STEPS (kMaxInt in the C++)
 
@@ -30,15 +32,18 @@ class PackedWeight:
     k: int
     bits: int
     has_offset: bool
+    group: int = GROUP  # inputs per block
+    centre: int = 0  # no stored offsets: offset = -centre * scale (symmetric codes), or none where 0
+    on_huge_pages: bool = False  # already in a huge-page buffer of its own (move_to_huge_pages skips it)
     struct: abi.KvflowPackedWeight = field(init=False, repr=False)  # what the C++ kernels read
 
     def __post_init__(self) -> None:
         self.struct = abi.KvflowPackedWeight(data=self.data.data_ptr(), n=self.n, k=self.k, bits=self.bits,
-                                             has_offset=int(self.has_offset))
+                                             has_offset=int(self.has_offset), block=self.group, centre=self.centre)
 
     @property
     def code_bytes(self) -> int:
-        return GROUP * COLUMNS * self.bits // 8
+        return self.group * COLUMNS * self.bits // 8
 
     def nbytes(self) -> int:
         return self.data.numel()
@@ -46,7 +51,9 @@ class PackedWeight:
 
 def move_to_huge_pages(weights: list[PackedWeight]) -> None:
     """Put the weights' bytes side by side on huge pages (kernels/huge_pages), in the order given: a decode
-    step streams every one of them, and on 4 KiB pages each page costs a TLB miss."""
+    step streams every one of them, and on 4 KiB pages each page costs a TLB miss. Weights packed onto
+    huge pages already (pack_gguf, for those of a huge page or more) stay where they are."""
+    weights = [pw for pw in weights if not pw.on_huge_pages]
     for pw, data in zip(weights, onto_huge_pages([pw.data for pw in weights])):
         if data is not pw.data:
             pw.data = data
@@ -57,20 +64,25 @@ def _f16_exact(t: torch.Tensor) -> bool:
     return bool(torch.equal(t.half().float(), t)) and bool(torch.isfinite(t.half()).all())
 
 
-def can_pack(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int, bits: int) -> bool:
-    """Whether `pack` keeps these codes exactly: groups of 32, scales and offsets exact in float16."""
-    if group_size != GROUP or q.shape[1] % GROUP or bits not in (4, 8):
+def can_pack(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int, bits: int,
+             centre: int = 0) -> bool:
+    """Whether `pack` keeps these codes exactly: groups of 32 or 16, scales and offsets exact in float16
+    (a centred weight's offsets are -centre * scale, not stored)."""
+    if group_size not in GROUPS or q.shape[1] % group_size or bits not in (4, 8):
         return False
-    return _f16_exact(scale) and _f16_exact(offset)
+    return _f16_exact(scale) and (_f16_exact(offset) if not centre else torch.equal(offset, -centre * scale))
 
 
-def pack(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int, bits: int) -> PackedWeight:
+def pack(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int, bits: int,
+         centre: int = 0) -> PackedWeight:
     """The kernel's layout for codes q uint8 [n, k] with scale and offset float32 [n, k // group_size];
-    raises ValueError where `can_pack` is false."""
-    if not can_pack(q, scale, offset, group_size, bits):
-        raise ValueError("packed matmul needs groups of 32 inputs and float16-exact scales and offsets")
+    with centre (symmetric codes: offset = -centre * scale) the offsets are not stored. Raises ValueError
+    where `can_pack` is false."""
+    if not can_pack(q, scale, offset, group_size, bits, centre):
+        raise ValueError("packed matmul needs groups of 32 or 16 inputs and float16-exact scales and offsets")
     n, k = q.shape
-    groups, blocks = -(-n // COLUMNS), k // GROUP
+    groups, blocks = -(-n // COLUMNS), k // group_size
+    rows = group_size // (8 if bits == 4 else 4)  # 64-byte code rows per block
     pad = groups * COLUMNS - n
     if pad:
         q = torch.cat([q, q.new_zeros(pad, k)])
@@ -78,34 +90,66 @@ def pack(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size:
         offset = torch.cat([offset, offset.new_zeros(pad, blocks)])
     if bits == 4:
         # input k = 8 row + 4 half + t -> byte (row, column, t): half 0 in the low nibble, 1 in the high
-        q6 = q.view(groups, COLUMNS, blocks, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)
-        codes = (q6[:, :, :, 0] | (q6[:, :, :, 1] << 4)).reshape(groups, blocks, 256)
+        q6 = q.view(groups, COLUMNS, blocks, rows, 2, 4).permute(0, 2, 3, 4, 1, 5)
+        codes = (q6[:, :, :, 0] | (q6[:, :, :, 1] << 4)).reshape(groups, blocks, 64 * rows)
     else:  # input k = 4 row + t -> byte (row, column, t)
-        codes = q.view(groups, COLUMNS, blocks, 8, 4).permute(0, 2, 3, 1, 4).reshape(groups, blocks, 512)
-    has_offset = bool(offset.any())
+        codes = q.view(groups, COLUMNS, blocks, rows, 4).permute(0, 2, 3, 1, 4).reshape(groups, blocks, 64 * rows)
+    has_offset = not centre and bool(offset.any())
 
     def per_block(t: torch.Tensor) -> torch.Tensor:  # [n, blocks] float -> [groups, blocks, 32 bytes]
         return t.half().view(groups, COLUMNS, blocks).permute(0, 2, 1).contiguous().view(torch.uint8)
 
     parts = [codes, per_block(scale)] + ([per_block(offset)] if has_offset else [])
     data = torch.cat(parts, dim=-1).contiguous()
-    return PackedWeight(data, n, k, bits, has_offset)
+    return PackedWeight(data, n, k, bits, has_offset, group_size, centre)
+
+
+def pack_gguf(parts: list[tuple[np.ndarray, int, torch.Tensor | None]], bits: int, group: int,
+              centre: int = 0) -> PackedWeight | None:
+    """GGUF tensors (block bytes [rows, bytes] from the mapped file, ggml type id, row order or None) fused
+    along the output dim straight into the layout (csrc/gguf_repack.cpp): the bytes `pack` makes from
+    packing.from_gguf's codes with float16-rounded scales, without the float32 temporaries. None where the
+    packer refuses them (sizes that disagree with a type, a scale or offset not finite in float16): the
+    caller then takes the checked Python path, which says what is wrong or keeps the weights another way.
+    centre: every part's symmetric centre (packing.CENTRES), its offsets then not stored; or 0."""
+    orders = [None if order is None else order.to(torch.int64).contiguous() for _, _, order in parts]
+    arrays = [np.ascontiguousarray(raw) for raw, _, _ in parts]  # views of the mapping: no copy
+    structs = (abi.KvflowGgufPart * len(parts))(*[
+        abi.KvflowGgufPart(data=raw.ctypes.data, rows=raw.shape[0], row_bytes=raw.shape[1], type=qtype,
+                           row_order=None if order is None else order.data_ptr())
+        for raw, (_, qtype, _), order in zip(arrays, parts, orders)])
+    n, k = sum(raw.shape[0] for raw in arrays), _inputs(arrays[0], parts[0][1])
+    shape = (-(-n // COLUMNS), k // group, group * COLUMNS * bits // 8 + (32 if centre else 64))
+    nbytes = shape[0] * shape[1] * shape[2]
+    data = huge_page_zeros(nbytes).view(shape)  # written once, in place: no copy onto huge pages later
+    rc = abi.native().kvflow_pack_gguf(parts=structs, count=len(parts), k=k, bits=bits, block=group, centre=centre,
+                                       out=data.data_ptr(), num_threads=torch.get_num_threads())
+    pw = PackedWeight(data, n, k, bits, not centre, group, centre, on_huge_pages=nbytes >= MIN_BYTES)
+    return pw if rc == 0 else None
+
+
+def _inputs(raw: np.ndarray, qtype: int) -> int:
+    import gguf
+
+    elements, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
+    return raw.shape[1] // block_bytes * elements
 
 
 def codes(pw: PackedWeight, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The stored weights as (q float32 [R, k], scale, offset float32 [R, k // 32]) for output rows
+    """The stored weights as (q float32 [R, k], scale, offset float32 [R, k // group]) for output rows
     `rows` (default all): w = scale * q + offset."""
     groups, blocks, _ = pw.data.shape
+    code_rows = pw.group // (8 if pw.bits == 4 else 4)
     rows = torch.arange(pw.n) if rows is None else rows.reshape(-1)
     chunk = pw.data[rows // COLUMNS]  # [R, blocks, bytes]
     col = rows % COLUMNS
     picked = torch.arange(len(rows))
     code = chunk[..., : pw.code_bytes]
     if pw.bits == 4:
-        mine = code.view(-1, blocks, 4, COLUMNS, 4)[picked, :, :, col]  # [R, blocks, row, t]
+        mine = code.view(-1, blocks, code_rows, COLUMNS, 4)[picked, :, :, col]  # [R, blocks, row, t]
         q = torch.stack([mine & 0x0F, mine >> 4], dim=3).float()  # [R, blocks, row, half, t]
     else:
-        q = code.view(-1, blocks, 8, COLUMNS, 4)[picked, :, :, col].float()  # [R, blocks, row, t]
+        q = code.view(-1, blocks, code_rows, COLUMNS, 4)[picked, :, :, col].float()  # [R, blocks, row, t]
     q = q.reshape(len(rows), pw.k)
 
     def per_block(start: int) -> torch.Tensor:
@@ -113,14 +157,14 @@ def codes(pw: PackedWeight, rows: torch.Tensor | None = None) -> tuple[torch.Ten
         return raw[picked, :, col].float()
 
     scale = per_block(pw.code_bytes)
-    offset = per_block(pw.code_bytes + 32) if pw.has_offset else torch.zeros_like(scale)
+    offset = per_block(pw.code_bytes + 32) if pw.has_offset else -pw.centre * scale
     return q, scale, offset
 
 
 def dequantize(pw: PackedWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
     """float32 [R, k]: the weights the kernel multiplies by (one float32 rounding per weight)."""
     q, scale, offset = codes(pw, rows)
-    w = q.view(q.shape[0], -1, GROUP) * scale.unsqueeze(-1) + offset.unsqueeze(-1)
+    w = q.view(q.shape[0], -1, pw.group) * scale.unsqueeze(-1) + offset.unsqueeze(-1)
     return w.view(q.shape[0], pw.k)
 
 
@@ -134,11 +178,12 @@ def available() -> bool:
 
 
 def random_weight(n: int, k: int, bits: int = 4, seed: int = 0) -> PackedWeight:
-    """A packed [n, k] weight of random codes and float16-exact scales (zero offsets), for timing the kernel."""
+    """A packed [n, k] weight of random codes and float16-exact scales (4-bit: zero offsets; 8-bit: Q8_0's
+    centred codes), for timing the kernel."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, generator=gen)
     scale = (torch.rand(n, k // 32, generator=gen) * 0.01).half().float()
-    return pack(q, scale, torch.zeros_like(scale) if bits == 4 else -128 * scale, 32, bits)
+    return pack(q, scale, torch.zeros_like(scale) if bits == 4 else -128 * scale, 32, bits, 0 if bits == 4 else 128)
 
 
 def path() -> str | None:
@@ -151,7 +196,7 @@ def refine_top(x: torch.Tensor, pw: PackedWeight, y: torch.Tensor, block_abs_sum
                input_bits: int = 16) -> int:
     """In place, y = matmul(x, pw, input_bits=...): every y[r, j] within two error bounds of row r's largest
     becomes the exact x[r] . w[j] (double sums over the stored codes), so each row's argmax is the exact
-    product's. block_abs_sum: float32 [k // 32], per block the largest sum of |w| over a row. Returns how
+    product's. block_abs_sum: float32 [k // group], per block the largest sum of |w| over a row. Returns how
     many changed."""
     if not (x.dtype == y.dtype == block_abs_sum.dtype == torch.float32) or y.stride(-1) != 1 or x.stride(-1) != 1:
         raise ValueError("refine_top takes float32 rows")
@@ -173,7 +218,7 @@ def rows(pw: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
 
 
 def matmul(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None, input_bits: int = 16) -> torch.Tensor:
-    """x float32 [M, k] (rows may be strided) -> float32 [M, n]; the inputs are quantized per block of 32 to
+    """x float32 [M, k] (rows may be strided) -> float32 [M, n]; the inputs are quantized per block to
     input_bits-bit integers (16: an error of 2^-16 of the block's largest input; 8: 2^-8, half the work)."""
     if x.dtype != torch.float32 or x.stride(-1) != 1 or x.dim() != 2 or x.shape[1] != pw.k:
         raise ValueError(f"packed matmul takes float32 [M, {pw.k}] rows, got {x.dtype} {tuple(x.shape)}")
@@ -184,6 +229,6 @@ def matmul(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None, i
                                            m=x.shape[0], y=y.data_ptr(), y_stride=y.stride(0),
                                            input_bits=input_bits, num_threads=torch.get_num_threads())
     if rc != 0:
-        raise RuntimeError("the packed matmul kernel refused its input (k a multiple of 32, 4- or 8-bit codes, "
-                           "8- or 16-bit inputs)")
+        raise RuntimeError("the packed matmul kernel refused its input (blocks of 32 or 16 inputs, 4- or 8-bit "
+                           "codes, 8- or 16-bit inputs)")
     return y

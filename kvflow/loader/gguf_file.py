@@ -60,10 +60,10 @@ _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 def open_gguf(path: Path):
     """A GGUFReader, or one clear error for a file that is not a readable GGUF."""
-    import gguf
+    from kvflow.loader.gguf_reader import MappedGGUFReader
 
     try:
-        return gguf.GGUFReader(str(path))
+        return MappedGGUFReader(str(path))
     except Exception as exc:  # truncated files raise ValueError/IndexError/struct errors deep inside
         raise ModelLoadError(f"{path} is not a valid GGUF file (corrupt or truncated): {exc}") from exc
 

@@ -22,6 +22,8 @@ import gguf
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
+from kvflow.loader.gguf_reader import MappedGGUFReader
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MODELS = ("gpt2", "llama")
@@ -293,4 +295,4 @@ def load_gguf_tokenizer(reader: gguf.GGUFReader) -> PreTrainedTokenizerFast:
 
 def load_gguf_tokenizer_from_path(path: str | Path) -> PreTrainedTokenizerFast:
     """Build the tokenizer stored in the GGUF file at `path`."""
-    return load_gguf_tokenizer(gguf.GGUFReader(str(path)))
+    return load_gguf_tokenizer(MappedGGUFReader(str(path)))

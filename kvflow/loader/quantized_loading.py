@@ -1,8 +1,8 @@
 """`--quantization`: weights that stay packed integers in memory, on CPU.
 
-gguf       a GGUF file's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL weights become packed layers straight
-           from the file's bytes, before any float tensor is read (`pack_gguf`); the rest (norms, K-quants,
-           F16) loads as float.
+gguf       a GGUF file's weights of the packed types (packing.PACKED_BITS: Q4_x, Q5_x, Q8_0, Q2_K..Q6_K,
+           IQ4_NL, IQ4_XS) become packed layers straight from the file's bytes, before any float tensor is
+           read (`pack_gguf`); the rest (norms, F16, the other types) loads as float.
            A tied Q8_0 token embedding is ONE packed copy: lm_head multiplies by it and the embedding
            looks rows up through it.
 int8/int4  float checkpoints: after the float load, every decoder Linear (and lm_head for int8) is
@@ -30,6 +30,7 @@ from kvflow.layers.quant import (
 from kvflow.layers.quant.factory import UnpackableCodes
 from kvflow.layers.quant.vocab import ExactTopLogits, PackedEmbedding
 from kvflow.loader import gguf_file
+from kvflow.loader.gguf_reader import release_pages
 
 
 def pack_gguf(model: nn.Module, raw_tensors: Iterable[gguf_file.RawTensor], dtype: torch.dtype) -> set[str]:
@@ -56,10 +57,12 @@ def pack_gguf(model: nn.Module, raw_tensors: Iterable[gguf_file.RawTensor], dtyp
                 bias=module.bias,  # uninitialised here; the float pass fills it (Qwen2's q/k/v bias)
                 exact_rows=name == "lm_head",  # rows read back exactly: the embedding, ExactTopLogits
             )
-        except UnpackableCodes:  # Q5_1 without kvflow's kernel: load as float
+        except UnpackableCodes:  # Q5_1 or blocks of 16 without kvflow's kernel: load as float
             continue
         _install(model, name, layer)
         consumed |= {p.gguf_name for p in parts}
+        for p in parts:
+            release_pages(p.data)
     embed = raws.get("embed_tokens.weight")
     if tied and isinstance(model.lm_head, ExactTopLogits):
         model.embed_tokens = PackedEmbedding(model.lm_head.packed, dtype)

@@ -103,16 +103,24 @@ def test_kv_cache_starts_untouched_and_on_huge_pages():
 # The GGUF's layers load as PackedLinear wherever the kernel library builds (every CPU tier); without a
 # C++ compiler they are PyTorch's int4 layers, which this move does not take.
 @pytest.mark.skipif(not packed_matmul.available(), reason="needs a C++ compiler to build the kernels")
-def test_loaded_packed_weights_share_one_huge_page_buffer(fast_loaded):
+def test_loaded_packed_weights_are_on_huge_pages(fast_loaded):
+    """A weight of a huge page or more is packed straight into a huge-page buffer of its own; the smaller
+    ones are gathered side by side, in the order a step reads them, into one shared buffer."""
     packed = [m.packed for m in fast_loaded.model.modules() if isinstance(m, PackedLinear)]
     assert len(packed) == 4 * fast_loaded.arch.num_layers + 1  # every layer's projections and the output head
-    starts = [pw.data.data_ptr() for pw in packed]
+    small = [pw for pw in packed if pw.nbytes() < huge_pages.MIN_BYTES]
+    large = [pw for pw in packed if pw.nbytes() >= huge_pages.MIN_BYTES]
+    assert small and large  # the default model's projections, and its output head
+    starts = [pw.data.data_ptr() for pw in small]
     assert starts == sorted(starts), "weights are laid out in the order a step reads them"
     assert starts[0] % huge_pages.HUGE_PAGE == 0
-    total = sum(pw.nbytes() for pw in packed)
-    assert starts[-1] + packed[-1].nbytes() - starts[0] < total + 64 * len(packed)  # side by side
+    total = sum(pw.nbytes() for pw in small)
+    assert starts[-1] + small[-1].nbytes() - starts[0] < total + 64 * len(small)  # side by side
     assert anon_huge_kib(starts[0]) * 1024 >= total // 2
-    for pw in packed:  # the structs the C++ kernels read point at the moved bytes
+    for pw in large:
+        assert pw.on_huge_pages and pw.data.data_ptr() % huge_pages.HUGE_PAGE == 0
+        assert anon_huge_kib(pw.data.data_ptr()) * 1024 >= pw.nbytes() // 2
+    for pw in packed:  # the structs the C++ kernels read point at the bytes where they are now
         assert isinstance(pw, PackedWeight) and pw.struct.data == pw.data.data_ptr()
 
 

@@ -11,20 +11,24 @@
 
 extern "C" {
 
-// A [n, k] weight in 4 or 8 bits with an affine code per group of 32 inputs: w = scale * q + offset,
-// q unsigned (0..15 or 0..255). Output columns come in groups of 16 and inputs in blocks of 32; the
-// bytes of (group g, block b) sit at data + (g * (k / 32) + b) * chunk_bytes, so one group's weights
-// are one contiguous stream. Its codes are rows of 64 bytes, byte 4 j + t of a row belonging to column j:
-//   4 bits: 4 rows; row r holds input 8 r + t in the low nibble and input 8 r + 4 + t in the high one.
-//   8 bits: 8 rows; row r holds input 4 r + t.
+// A [n, k] weight in 4 or 8 bits with an affine code per block of `block` inputs (32, or 16 for the
+// K-quants whose scales cover 16): w = scale * q + offset, q unsigned (0..15 or 0..255). Output columns
+// come in groups of 16; the bytes of (group g, block b) sit at data + (g * (k / block) + b) * chunk_bytes,
+// so one group's weights are one contiguous stream. Its codes are rows of 64 bytes, byte 4 j + t of a row
+// belonging to column j:
+//   4 bits: block / 8 rows; row r holds input 8 r + t in the low nibble and input 8 r + 4 + t in the high one.
+//   8 bits: block / 4 rows; row r holds input 4 r + t.
 // then 16 float16 scales, then (when has_offset) 16 float16 offsets. A row (or its masked nibbles) is
 // the unsigned operand of one AVX512-VNNI dot product: 16 columns x 4 inputs.
 struct KvflowPackedWeight {
   const uint8_t* data;
   int64_t n;  // output features (a multiple of 16 is stored; columns past n are zero)
-  int64_t k;  // input features, a multiple of 32
+  int64_t k;  // input features, a multiple of block
   int32_t bits;
   int32_t has_offset;
+  int32_t block;  // inputs per scale: 32 or 16; the inputs are quantized per block of the same size
+  int32_t centre;  // without stored offsets: offset = -centre * scale (symmetric codes, Q8_0's 128,
+                   // Q4_0's 8, Q6_K's 32...), or no offset where centre is 0
 };
 
 // Row-count crossovers inside the kernels, set by the executor from its table (kvflow/executors/
@@ -57,6 +61,25 @@ int32_t kvflow_packed_refine_top(const KvflowPackedWeight* w, const float* x, in
 
 // Rows ids[0..count) of w (output features), dequantized exactly as float32 into out [count, k].
 void kvflow_packed_rows(const KvflowPackedWeight* w, const int64_t* ids, int32_t count, float* out);
+
+// One GGUF tensor as rows of a packed weight: `rows` rows of row_bytes block bytes of ggml type `type`
+// (Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q2_K 10, Q3_K 11, Q4_K 12, Q5_K 13, Q6_K 14, IQ4_NL 20,
+// IQ4_XS 23); output row i is source row row_order[i] (null: row i).
+struct KvflowGgufPart {
+  const uint8_t* data;
+  int64_t rows, row_bytes;
+  const int64_t* row_order;
+  int32_t type;
+};
+
+// The parts, fused along the output dim, into the packed layout above (bits 4 or 8, blocks of `block`
+// inputs, with offsets; or, with centre, every part of a symmetric type of that centre, none stored): out
+// holds ceil(n / 16) * (k / block) chunks. The codes and float32 scales are
+// kernels/../layers/quant/packing.py's, the scales rounded to float16. Returns 0; -1 for parts it does
+// not take (a type without a packed form, 8-bit codes into 4 bits, sizes that disagree); -2 where a
+// scale or offset is not finite in float16 (out then unusable).
+int32_t kvflow_pack_gguf(const KvflowGgufPart* parts, int32_t count, int64_t k, int32_t bits, int32_t block,
+                         int32_t centre, uint8_t* out, int32_t num_threads);
 
 // A step's place in the paged KV cache, the same for every layer. Sequence b owns query rows
 // query_start[b] .. query_start[b + 1]; they are its last rows of seq_lens[b] positions, whose blocks are

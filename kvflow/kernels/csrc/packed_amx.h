@@ -55,7 +55,8 @@ void amx_groups(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const R
   const int64_t nb = w.k / kBlock;
   const size_t chunk = chunk_bytes(w);
   const size_t code_bytes = w.bits == 4 ? 256 : 512;
-  const bool has_offset = w.has_offset != 0;
+  const bool has_offset = w.has_offset != 0, any_offset = has_offset || w.centre != 0;
+  const __m512 minus_centre = _mm512_set1_ps(-static_cast<float>(w.centre));
   thread_local std::vector<uint8_t> wide_store;  // widened 4-bit codes of one group, 64-byte aligned below
   wide_store.resize(static_cast<size_t>(nb) * 512 + 64);
   uint8_t* wide = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(wide_store.data()) + 63) & ~uintptr_t{63});
@@ -88,7 +89,7 @@ void amx_groups(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const R
         const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + code_bytes)));
         const __m512 offset = has_offset
                                   ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + code_bytes + 32)))
-                                  : _mm512_setzero_ps();
+                                  : _mm512_mul_ps(scale, minus_centre);  // exact: the stored offset's value
         const float* row_scale = rows.scale + r0 * rows.blocks + b;
         const float* row_sum = rows.sum + r0 * rows.blocks + b;
 #pragma GCC unroll 16
@@ -97,7 +98,7 @@ void amx_groups(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const R
                                                _mm512_load_si512(sum_lo + 16 * i));
           const __m512 col_scale = _mm512_mul_ps(scale, _mm512_set1_ps(row_scale[i * rows.blocks]));
           acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), col_scale, acc[i]);
-          if (has_offset) acc[i] = _mm512_fmadd_ps(offset, _mm512_set1_ps(row_sum[i * rows.blocks]), acc[i]);
+          if (any_offset) acc[i] = _mm512_fmadd_ps(offset, _mm512_set1_ps(row_sum[i * rows.blocks]), acc[i]);
         }
       }
       const int valid = m - r0 < R ? m - r0 : R;

@@ -19,11 +19,12 @@ namespace kvflow::packed {
 
 namespace avx2 {
 
-// One block's 32 inputs into v, and their largest magnitude.
-inline float load_block(const float* xb, __m256 v[4]) {
+// One block's Block inputs into v, and their largest magnitude.
+template <int Block>
+float load_block(const float* xb, __m256 v[Block / 8]) {
   const __m256 sign_off = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 m = _mm256_setzero_ps();
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < Block / 8; ++i) {
     v[i] = _mm256_loadu_ps(xb + 8 * i);
     m = _mm256_max_ps(m, _mm256_and_ps(v[i], sign_off));
   }
@@ -32,16 +33,17 @@ inline float load_block(const float* xb, __m256 v[4]) {
   return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
 }
 
-inline void quantize_row(const float* x, int64_t k, int8_t* hi, int8_t* lo, float* scale, float* sum) {
+template <int Block>
+void quantize_row(const float* x, int64_t k, int8_t* hi, int8_t* lo, float* scale, float* sum) {
   const __m256i lim = _mm256_set1_epi32(kMaxInt), neg = _mm256_set1_epi32(-kMaxInt), c128 = _mm256_set1_epi32(128);
-  for (int64_t b = 0; b < k / kBlock; ++b) {
-    __m256 v[4];
-    const float amax = load_block(x + b * kBlock, v);
+  for (int64_t b = 0; b < k / Block; ++b) {
+    __m256 v[Block / 8];
+    const float amax = load_block<Block>(x + b * Block, v);
     const float s = amax / kMaxInt;
     const __m256 inv = _mm256_set1_ps(amax > 0.f ? kMaxInt / amax : 0.f);
     __m256i total = _mm256_setzero_si256();
     alignas(32) int32_t h32[8], l32[8];
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < Block / 8; ++i) {
       __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // round to nearest even
       q = _mm256_max_epi32(_mm256_min_epi32(q, lim), neg);
       const __m256i h = _mm256_srai_epi32(_mm256_add_epi32(q, c128), 8);
@@ -50,8 +52,8 @@ inline void quantize_row(const float* x, int64_t k, int8_t* hi, int8_t* lo, floa
       _mm256_store_si256(reinterpret_cast<__m256i*>(h32), h);
       _mm256_store_si256(reinterpret_cast<__m256i*>(l32), l);
       for (int j = 0; j < 8; ++j) {
-        hi[b * kBlock + 8 * i + j] = static_cast<int8_t>(h32[j]);
-        lo[b * kBlock + 8 * i + j] = static_cast<int8_t>(l32[j]);
+        hi[b * Block + 8 * i + j] = static_cast<int8_t>(h32[j]);
+        lo[b * Block + 8 * i + j] = static_cast<int8_t>(l32[j]);
       }
     }
     alignas(32) int32_t t32[8];
@@ -64,22 +66,28 @@ inline void quantize_row(const float* x, int64_t k, int8_t* hi, int8_t* lo, floa
 }
 
 // 8-bit inputs (one digit): quantize_row8_scalar's arithmetic, 8 inputs at a time.
-inline void quantize_row8(const float* x, int64_t k, int8_t* digits, float* scale, float* sum) {
+template <int Block>
+void quantize_row8(const float* x, int64_t k, int8_t* digits, float* scale, float* sum) {
+  constexpr int V = Block / 8;
   const __m256i lim = _mm256_set1_epi32(kMaxInt8), neg = _mm256_set1_epi32(-kMaxInt8);
-  for (int64_t b = 0; b < k / kBlock; ++b) {
-    __m256 v[4];
-    const float amax = load_block(x + b * kBlock, v);
+  for (int64_t b = 0; b < k / Block; ++b) {
+    __m256 v[V];
+    const float amax = load_block<Block>(x + b * Block, v);
     const float s = amax / kMaxInt8;
     const __m256 inv = _mm256_set1_ps(amax > 0.f ? kMaxInt8 / amax : 0.f);
     __m256i q[4], total = _mm256_setzero_si256();
-    for (int i = 0; i < 4; ++i) {
-      q[i] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)), lim), neg);
+    for (int i = 0; i < 4; ++i) {  // a block of 16 fills the second half with zeros, not stored
+      q[i] = i < V ? _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)), lim), neg)
+                   : _mm256_setzero_si256();
       total = _mm256_add_epi32(total, q[i]);
     }
     // int32 -> int8, in order: pack to 16 bits (per 128-bit lane), then to 8, then undo the lane interleave.
     const __m256i w01 = _mm256_packs_epi32(q[0], q[1]), w23 = _mm256_packs_epi32(q[2], q[3]);
     const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(digits + b * kBlock), bytes);
+    if constexpr (Block == 32)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(digits + b * Block), bytes);
+    else
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(digits + b * Block), _mm256_castsi256_si128(bytes));
     alignas(32) int32_t t32[8];
     _mm256_store_si256(reinterpret_cast<__m256i*>(t32), total);
     int32_t sum_q = 0;
@@ -107,9 +115,9 @@ inline __m256i broadcast4(const int8_t* p) {  // four input digits, in every 32-
 // digits (16-bit inputs), else one (8-bit). The code width and the offset are template arguments too, so
 // that only the sums a format uses are live: with run-time flags the compiler kept all of them and
 // spilled the accumulators to the stack.
-template <int M, int H, bool Two, bool FourBit, bool HasOffset>
+template <int Block, int M, int H, bool Two, bool FourBit, bool HasOffset>
 void tile(const KvflowPackedWeight& w, int64_t g, int half, const Rows& rows, float* y, int64_t y_stride) {
-  const int64_t nb = w.k / kBlock;
+  const int64_t nb = w.k / Block;
   const size_t chunk = chunk_bytes(w), codes_end = code_bytes(w);
   constexpr bool has_offset = HasOffset, four_bit = FourBit;
   const uint8_t* base = w.data + static_cast<size_t>(g) * nb * chunk;
@@ -130,11 +138,11 @@ void tile(const KvflowPackedWeight& w, int64_t g, int half, const Rows& rows, fl
     auto step = [&](int quad, auto nibble_constant, const __m256i* codes) {  // codes[h]: 8 columns x 4 inputs
       constexpr int nibble = decltype(nibble_constant)::value;
       for (int r = 0; r < M; ++r) {
-        const __m256i xh = broadcast4(rows.hi + r * rows.stride + b * kBlock + 4 * quad);
+        const __m256i xh = broadcast4(rows.hi + r * rows.stride + b * Block + 4 * quad);
         for (int h = 0; h < H; ++h)
           s16[r][h][0][nibble] = in_register(_mm256_add_epi16(s16[r][h][0][nibble], _mm256_maddubs_epi16(codes[h], xh)));
         if constexpr (Two) {
-          const __m256i xl = broadcast4(rows.lo + r * rows.stride + b * kBlock + 4 * quad);
+          const __m256i xl = broadcast4(rows.lo + r * rows.stride + b * Block + 4 * quad);
           for (int h = 0; h < H; ++h)
             s16[r][h][1][nibble] = in_register(_mm256_add_epi16(s16[r][h][1][nibble], _mm256_maddubs_epi16(codes[h], xl)));
         }
@@ -143,7 +151,7 @@ void tile(const KvflowPackedWeight& w, int64_t g, int half, const Rows& rows, fl
     constexpr std::integral_constant<int, 0> low;
     constexpr std::integral_constant<int, 1> high;
     if constexpr (four_bit) {
-      for (int row = 0; row < 4; ++row) {  // low nibbles are inputs 8 row .. +3, high ones +4 .. +7
+      for (int row = 0; row < Block / 8; ++row) {  // low nibbles are inputs 8 row .. +3, high ones +4 .. +7
         __m256i lo[H], hi[H];
         for (int h = 0; h < H; ++h) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + at + 64 * row + 32 * (half + h)));
@@ -154,7 +162,7 @@ void tile(const KvflowPackedWeight& w, int64_t g, int half, const Rows& rows, fl
         step(2 * row + 1, low, hi);
       }
     } else {
-      for (int row = 0; row < 8; ++row) {  // code c = 16 (c >> 4) + (c & 15): each nibble on its own
+      for (int row = 0; row < Block / 4; ++row) {  // code c = 16 (c >> 4) + (c & 15): each nibble on its own
         __m256i lo[H], hi[H];
         for (int h = 0; h < H; ++h) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + at + 64 * row + 32 * (half + h)));
@@ -169,7 +177,9 @@ void tile(const KvflowPackedWeight& w, int64_t g, int half, const Rows& rows, fl
       const uint8_t* s = base + at + codes_end + 16 * (half + h);
       const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
       __m256 offset = _mm256_setzero_ps();
-      if constexpr (has_offset) offset = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32)));
+      if constexpr (has_offset)  // stored, or a centred weight's -centre * scale (exact: the same value)
+        offset = w.has_offset ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32)))
+                              : _mm256_mul_ps(scale, _mm256_set1_ps(-static_cast<float>(w.centre)));
       for (int r = 0; r < M; ++r) {
         __m256i dot_h = _mm256_madd_epi16(s16[r][h][0][0], ones);
         if constexpr (!four_bit) dot_h = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(s16[r][h][0][1], ones), 4), dot_h);
@@ -205,11 +215,11 @@ void tile(const KvflowPackedWeight& w, int64_t g, int half, const Rows& rows, fl
 
 struct Avx2 {
   static constexpr int kRows = 4;
-  static void quantize_row(const float* x, int64_t k, int8_t* hi, int8_t* lo, float* scale, float* sum) {
-    avx2::quantize_row(x, k, hi, lo, scale, sum);
+  static void quantize_row(const float* x, int64_t k, int block, int8_t* hi, int8_t* lo, float* scale, float* sum) {
+    (block == kSmallBlock ? avx2::quantize_row<kSmallBlock> : avx2::quantize_row<kBlock>)(x, k, hi, lo, scale, sum);
   }
-  static void quantize_row8(const float* x, int64_t k, int8_t* digits, float* scale, float* sum) {
-    avx2::quantize_row8(x, k, digits, scale, sum);
+  static void quantize_row8(const float* x, int64_t k, int block, int8_t* digits, float* scale, float* sum) {
+    (block == kSmallBlock ? avx2::quantize_row8<kSmallBlock> : avx2::quantize_row8<kBlock>)(x, k, digits, scale, sum);
   }
   template <int M>
   static void rows_block(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y,
@@ -222,19 +232,29 @@ struct Avx2 {
   template <int M, bool Two>
   static void blocks(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y,
                      int64_t ys) {
-    if (w.bits == 4)
-      w.has_offset ? groups<M, Two, true, true>(w, g_lo, g_hi, rows, y, ys) : groups<M, Two, true, false>(w, g_lo, g_hi, rows, y, ys);
+    if (w.block == kSmallBlock)
+      with_format<kSmallBlock, M, Two>(w, g_lo, g_hi, rows, y, ys);
     else
-      w.has_offset ? groups<M, Two, false, true>(w, g_lo, g_hi, rows, y, ys) : groups<M, Two, false, false>(w, g_lo, g_hi, rows, y, ys);
+      with_format<kBlock, M, Two>(w, g_lo, g_hi, rows, y, ys);
   }
-  template <int M, bool Two, bool FourBit, bool HasOffset>
+  template <int Block, int M, bool Two>
+  static void with_format(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y,
+                          int64_t ys) {
+    if (w.bits == 4)
+      w.has_offset || w.centre ? groups<Block, M, Two, true, true>(w, g_lo, g_hi, rows, y, ys)
+                   : groups<Block, M, Two, true, false>(w, g_lo, g_hi, rows, y, ys);
+    else
+      w.has_offset || w.centre ? groups<Block, M, Two, false, true>(w, g_lo, g_hi, rows, y, ys)
+                   : groups<Block, M, Two, false, false>(w, g_lo, g_hi, rows, y, ys);
+  }
+  template <int Block, int M, bool Two, bool FourBit, bool HasOffset>
   static void groups(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y, int64_t ys) {
     for (int64_t g = g_lo; g < g_hi; ++g) {
       if constexpr (M == 1 && FourBit) {
-        avx2::tile<1, 2, Two, FourBit, HasOffset>(w, g, 0, rows, y, ys);
+        avx2::tile<Block, 1, 2, Two, FourBit, HasOffset>(w, g, 0, rows, y, ys);
       } else {
-        avx2::tile<M, 1, Two, FourBit, HasOffset>(w, g, 0, rows, y, ys);
-        avx2::tile<M, 1, Two, FourBit, HasOffset>(w, g, 1, rows, y, ys);
+        avx2::tile<Block, M, 1, Two, FourBit, HasOffset>(w, g, 0, rows, y, ys);
+        avx2::tile<Block, M, 1, Two, FourBit, HasOffset>(w, g, 1, rows, y, ys);
       }
     }
   }

@@ -13,7 +13,8 @@
 
 namespace kvflow::packed {
 
-constexpr int kBlock = 32;
+constexpr int kBlock = 32;       // inputs per scale of most formats
+constexpr int kSmallBlock = 16;  // the K-quants whose scales cover 16 inputs (Q6_K, Q3_K, Q2_K)
 constexpr int32_t kMaxInt = 32639;  // |x| <= this keeps the high digit h = (x + 128) >> 8 within a signed byte
 constexpr int32_t kMaxInt8 = 127;   // 8-bit inputs: one signed digit
 // How far ahead in each column group's bytes a tile asks for weights: the hardware prefetcher alone
@@ -38,33 +39,34 @@ struct Rows {  // the rows' inputs as digits h, l (int8 [m, k]; lo null for 8-bi
   }
 };
 
-inline size_t chunk_bytes(const KvflowPackedWeight& w) {
-  return (w.bits == 4 ? 256 : 512) + (w.has_offset ? 64 : 32);
-}
+inline size_t code_bytes(const KvflowPackedWeight& w) { return static_cast<size_t>(2 * w.block * w.bits); }
 
-inline size_t code_bytes(const KvflowPackedWeight& w) { return w.bits == 4 ? 256 : 512; }
+inline size_t chunk_bytes(const KvflowPackedWeight& w) { return code_bytes(w) + (w.has_offset ? 64 : 32); }
 
-inline float block_amax(const float* xb) {  // the block's largest |x|
+inline bool valid_block(int32_t block) { return block == kBlock || block == kSmallBlock; }
+
+inline float block_amax(const float* xb, int block) {  // the block's largest |x|
   float amax = 0.f;
-  for (int i = 0; i < kBlock; ++i) amax = std::fabs(xb[i]) > amax ? std::fabs(xb[i]) : amax;
+  for (int i = 0; i < block; ++i) amax = std::fabs(xb[i]) > amax ? std::fabs(xb[i]) : amax;
   return amax;
 }
 
-// One row's inputs -> digits, per block of 32: s = max|x| / kMaxInt, x_int = round(x / s) (nearest even),
-// h = (x_int + 128) >> 8, l = x_int - 256 h. The vector tiers compute exactly this.
-inline void quantize_row_scalar(const float* x, int64_t k, int8_t* hi, int8_t* lo, float* scale, float* sum) {
-  for (int64_t b = 0; b < k / kBlock; ++b) {
-    const float* xb = x + b * kBlock;
-    const float amax = block_amax(xb);
+// One row's inputs -> digits, per block of `block`: s = max|x| / kMaxInt, x_int = round(x / s) (nearest
+// even), h = (x_int + 128) >> 8, l = x_int - 256 h. The vector tiers compute exactly this.
+inline void quantize_row_scalar(const float* x, int64_t k, int block, int8_t* hi, int8_t* lo, float* scale,
+                                float* sum) {
+  for (int64_t b = 0; b < k / block; ++b) {
+    const float* xb = x + b * block;
+    const float amax = block_amax(xb, block);
     const float s = amax / kMaxInt;
     const float inv = amax > 0.f ? kMaxInt / amax : 0.f;
     int32_t total = 0;
-    for (int i = 0; i < kBlock; ++i) {
+    for (int i = 0; i < block; ++i) {
       int32_t q = static_cast<int32_t>(std::nearbyint(xb[i] * inv));
       q = q > kMaxInt ? kMaxInt : (q < -kMaxInt ? -kMaxInt : q);  // x / s can round past the bound by an ulp
       const int32_t h = (q + 128) >= 0 ? (q + 128) / 256 : -((-(q + 128) + 255) / 256);  // floor division
-      hi[b * kBlock + i] = static_cast<int8_t>(h);
-      lo[b * kBlock + i] = static_cast<int8_t>(q - 256 * h);
+      hi[b * block + i] = static_cast<int8_t>(h);
+      lo[b * block + i] = static_cast<int8_t>(q - 256 * h);
       total += q;
     }
     scale[b] = s;
@@ -74,17 +76,17 @@ inline void quantize_row_scalar(const float* x, int64_t k, int8_t* hi, int8_t* l
 
 // 8-bit inputs: s = max|x| / 127, x_int = round(x / s) (nearest even), one digit. Half the 16-bit
 // inputs' work for the integer units, at llama.cpp's precision (its activations are 8-bit per 32 too).
-inline void quantize_row8_scalar(const float* x, int64_t k, int8_t* digits, float* scale, float* sum) {
-  for (int64_t b = 0; b < k / kBlock; ++b) {
-    const float* xb = x + b * kBlock;
-    const float amax = block_amax(xb);
+inline void quantize_row8_scalar(const float* x, int64_t k, int block, int8_t* digits, float* scale, float* sum) {
+  for (int64_t b = 0; b < k / block; ++b) {
+    const float* xb = x + b * block;
+    const float amax = block_amax(xb, block);
     const float s = amax / kMaxInt8;
     const float inv = amax > 0.f ? kMaxInt8 / amax : 0.f;
     int32_t total = 0;
-    for (int i = 0; i < kBlock; ++i) {
+    for (int i = 0; i < block; ++i) {
       int32_t q = static_cast<int32_t>(std::nearbyint(xb[i] * inv));
       q = q > kMaxInt8 ? kMaxInt8 : (q < -kMaxInt8 ? -kMaxInt8 : q);
-      digits[b * kBlock + i] = static_cast<int8_t>(q);
+      digits[b * block + i] = static_cast<int8_t>(q);
       total += q;
     }
     scale[b] = s;

@@ -5,7 +5,7 @@
 // packed bytes become products. The layout (kvflow_cpu.h) puts 16 output columns side by side, 4
 // inputs each, so one 64-byte vector of codes (after masking out a nibble) is the unsigned operand of
 // one vpdpbusd: 64 multiply-adds into 16 int32 column sums. The row's inputs are quantized per block of
-// 32 to 16-bit integers x = s * (256 h + l) with h, l signed bytes; two vpdpbusd (h and l digits) give
+// the weight's (32 inputs, or 16) to 16-bit integers x = s * (256 h + l) with h, l signed bytes; two vpdpbusd (h and l digits) give
 // the block's exact integer dot product with the codes. Relative to the block's largest input the
 // quantization error is 2^-16, finer than bfloat16's 2^-9 per element. The block's sum is then scaled
 // by the column's weight scale times the block's input scale, and offset times input sum is added.
@@ -56,11 +56,15 @@ extern "C" int32_t kvflow_packed_matmul_path(void) {
 
 extern "C" int32_t kvflow_packed_matmul(const KvflowPackedWeight* w, const float* x, int64_t x_stride, int32_t m,
                                         float* y, int64_t y_stride, int32_t input_bits, int32_t num_threads) {
-  if (w->k % kBlock || (w->bits != 4 && w->bits != 8) || m <= 0 || (input_bits != 8 && input_bits != 16)) return -1;
-  const int64_t nb = w->k / kBlock;
+  if (!kvflow::packed::valid_block(w->block) || w->k % w->block || (w->bits != 4 && w->bits != 8) || m <= 0 ||
+      (input_bits != 8 && input_bits != 16))
+    return -1;
+  const int block = w->block;
+  const int64_t nb = w->k / block;
   const bool eight = input_bits == 8;
 #ifdef KVFLOW_HAVE_AMX
-  const bool amx = !eight && kvflow::packed::prefer_amx(*w, m) && kvflow::amx_permitted();
+  // The AMX tiles hold blocks of 32; a weight of 16-input blocks runs on VNNI.
+  const bool amx = !eight && block == kBlock && kvflow::packed::prefer_amx(*w, m) && kvflow::amx_permitted();
 #else
   const bool amx = false;
 #endif
@@ -76,9 +80,9 @@ extern "C" int32_t kvflow_packed_matmul(const KvflowPackedWeight* w, const float
   float* sum = scale + static_cast<size_t>(padded) * nb;
   for (int r = 0; r < m; ++r) {
     if (eight)
-      Kernel::quantize_row8(x + r * x_stride, w->k, hi + r * w->k, scale + r * nb, sum + r * nb);
+      Kernel::quantize_row8(x + r * x_stride, w->k, block, hi + r * w->k, scale + r * nb, sum + r * nb);
     else
-      Kernel::quantize_row(x + r * x_stride, w->k, hi + r * w->k, lo + r * w->k, scale + r * nb, sum + r * nb);
+      Kernel::quantize_row(x + r * x_stride, w->k, block, hi + r * w->k, lo + r * w->k, scale + r * nb, sum + r * nb);
   }
   for (int r = m; r < padded; ++r) {  // rows a tile reads but nobody uses: zeros, not stale bytes
     std::memset(hi + r * w->k, 0, w->k);

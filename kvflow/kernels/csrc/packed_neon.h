@@ -29,9 +29,11 @@ inline float32x4_t halves(const uint8_t* p) {  // four float16 values
 // The 16 columns of group g for M rows.
 template <int M>
 void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, int64_t y_stride) {
-  const int64_t nb = w.k / kBlock;
+  const int64_t nb = w.k / w.block;
   const size_t chunk = chunk_bytes(w), codes_end = code_bytes(w);
-  const bool has_offset = w.has_offset != 0, four_bit = w.bits == 4, two = rows.lo != nullptr;
+  const bool has_offset = w.has_offset != 0, any_offset = has_offset || w.centre != 0, four_bit = w.bits == 4,
+             two = rows.lo != nullptr;
+  const float32x4_t minus_centre = vdupq_n_f32(-static_cast<float>(w.centre));
   const uint8_t* base = w.data + static_cast<size_t>(g) * nb * chunk;
   const uint8x16_t low_nibble = vdupq_n_u8(0x0f);
   float32x4_t acc[M][4];
@@ -47,8 +49,8 @@ void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, in
     auto step = [&](int quad, const int8x16_t* codes, auto shift) {
       constexpr int Shift = decltype(shift)::value;
       for (int r = 0; r < M; ++r) {
-        const int8x16_t xh = broadcast4(rows.hi + r * rows.stride + b * kBlock + 4 * quad);
-        const int8x16_t xl = two ? broadcast4(rows.lo + r * rows.stride + b * kBlock + 4 * quad) : xh;
+        const int8x16_t xh = broadcast4(rows.hi + r * rows.stride + b * w.block + 4 * quad);
+        const int8x16_t xl = two ? broadcast4(rows.lo + r * rows.stride + b * w.block + 4 * quad) : xh;
         for (int q = 0; q < 4; ++q) {
           if constexpr (Shift == 0) {
             dot_h[r][q] = vdotq_s32(dot_h[r][q], codes[q], xh);
@@ -63,7 +65,7 @@ void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, in
     };
     const std::integral_constant<int, 0> plain;
     const std::integral_constant<int, 4> high;
-    const int rows_per_block = four_bit ? 4 : 8;
+    const int rows_per_block = four_bit ? w.block / 8 : w.block / 4;
     for (int row = 0; row < rows_per_block; ++row) {
       int8x16_t lo[4], hi[4];
       for (int q = 0; q < 4; ++q) {
@@ -81,12 +83,12 @@ void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, in
     }
     for (int q = 0; q < 4; ++q) {
       const float32x4_t scale = halves(block + codes_end + 8 * q);
-      const float32x4_t offset = has_offset ? halves(block + codes_end + 32 + 8 * q) : vdupq_n_f32(0.f);
+      const float32x4_t offset = has_offset ? halves(block + codes_end + 32 + 8 * q) : vmulq_f32(scale, minus_centre);
       for (int r = 0; r < M; ++r) {
         const int32x4_t dot = two ? vaddq_s32(vshlq_n_s32(dot_h[r][q], 8), dot_l[r][q]) : dot_h[r][q];
         const float32x4_t col_scale = vmulq_f32(scale, vdupq_n_f32(rows.scale[r * rows.blocks + b]));
         acc[r][q] = vfmaq_f32(acc[r][q], vcvtq_f32_s32(dot), col_scale);
-        if (has_offset) acc[r][q] = vfmaq_f32(acc[r][q], offset, vdupq_n_f32(rows.sum[r * rows.blocks + b]));
+        if (any_offset) acc[r][q] = vfmaq_f32(acc[r][q], offset, vdupq_n_f32(rows.sum[r * rows.blocks + b]));
       }
     }
   }
@@ -105,11 +107,11 @@ void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, in
 
 struct Neon {
   static constexpr int kRows = 2;
-  static void quantize_row(const float* x, int64_t k, int8_t* hi, int8_t* lo, float* scale, float* sum) {
-    quantize_row_scalar(x, k, hi, lo, scale, sum);
+  static void quantize_row(const float* x, int64_t k, int block, int8_t* hi, int8_t* lo, float* scale, float* sum) {
+    quantize_row_scalar(x, k, block, hi, lo, scale, sum);
   }
-  static void quantize_row8(const float* x, int64_t k, int8_t* digits, float* scale, float* sum) {
-    quantize_row8_scalar(x, k, digits, scale, sum);
+  static void quantize_row8(const float* x, int64_t k, int block, int8_t* digits, float* scale, float* sum) {
+    quantize_row8_scalar(x, k, block, digits, scale, sum);
   }
   template <int M>
   static void rows_block(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y,

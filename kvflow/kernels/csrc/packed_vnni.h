@@ -12,28 +12,33 @@ namespace kvflow::packed {
 
 namespace vnni {
 
-// quantize_row_scalar (packed_common.h), 32 inputs at a time.
-inline void quantize_row(const float* x, int64_t k, int8_t* hi, int8_t* lo, float* scale, float* sum) {
+// quantize_row_scalar (packed_common.h), a block of Block (16 or 32) inputs at a time.
+template <int Block>
+void quantize_row(const float* x, int64_t k, int8_t* hi, int8_t* lo, float* scale, float* sum) {
+  constexpr int V = Block / 16;
   const __m512 sign_off = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
-  for (int64_t b = 0; b < k / kBlock; ++b) {
-    const __m512 v0 = _mm512_loadu_ps(x + b * kBlock), v1 = _mm512_loadu_ps(x + b * kBlock + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, sign_off), _mm512_and_ps(v1, sign_off)));
+  const __m512i lim = _mm512_set1_epi32(kMaxInt), neg = _mm512_set1_epi32(-kMaxInt), c128 = _mm512_set1_epi32(128);
+  for (int64_t b = 0; b < k / Block; ++b) {
+    __m512 v[V], m = _mm512_setzero_ps();
+    for (int i = 0; i < V; ++i) {
+      v[i] = _mm512_loadu_ps(x + b * Block + 16 * i);
+      m = _mm512_max_ps(m, _mm512_and_ps(v[i], sign_off));
+    }
+    const float amax = _mm512_reduce_max_ps(m);
     const float s = amax / kMaxInt;
     const __m512 inv = _mm512_set1_ps(amax > 0.f ? kMaxInt / amax : 0.f);
-    __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));  // round to nearest even
-    __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
-    const __m512i lim = _mm512_set1_epi32(kMaxInt), neg = _mm512_set1_epi32(-kMaxInt);
-    q0 = _mm512_max_epi32(_mm512_min_epi32(q0, lim), neg);  // x / s can round past the bound by an ulp
-    q1 = _mm512_max_epi32(_mm512_min_epi32(q1, lim), neg);
-    const __m512i c128 = _mm512_set1_epi32(128);
-    const __m512i h0 = _mm512_srai_epi32(_mm512_add_epi32(q0, c128), 8), h1 = _mm512_srai_epi32(_mm512_add_epi32(q1, c128), 8);
-    const __m512i l0 = _mm512_sub_epi32(q0, _mm512_slli_epi32(h0, 8)), l1 = _mm512_sub_epi32(q1, _mm512_slli_epi32(h1, 8));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + b * kBlock), _mm512_cvtepi32_epi8(h0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + b * kBlock + 16), _mm512_cvtepi32_epi8(h1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + b * kBlock), _mm512_cvtepi32_epi8(l0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + b * kBlock + 16), _mm512_cvtepi32_epi8(l1));
+    __m512i total = _mm512_setzero_si512();
+    for (int i = 0; i < V; ++i) {
+      __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], inv));  // round to nearest even
+      q = _mm512_max_epi32(_mm512_min_epi32(q, lim), neg);     // x / s can round past the bound by an ulp
+      const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(q, c128), 8);
+      const __m512i l = _mm512_sub_epi32(q, _mm512_slli_epi32(h, 8));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + b * Block + 16 * i), _mm512_cvtepi32_epi8(h));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + b * Block + 16 * i), _mm512_cvtepi32_epi8(l));
+      total = _mm512_add_epi32(total, q);
+    }
     scale[b] = s;
-    sum[b] = s * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+    sum[b] = s * static_cast<float>(_mm512_reduce_add_epi32(total));
   }
 }
 
@@ -44,31 +49,40 @@ inline __m512i broadcast4(const int8_t* p) {  // four input digits, in every 32-
 }
 
 // 8-bit inputs (one digit): s = max|x| / 127, x_int = round(x / s); quantize_row8_scalar's arithmetic.
-inline void quantize_row8(const float* x, int64_t k, int8_t* digits, float* scale, float* sum) {
+template <int Block>
+void quantize_row8(const float* x, int64_t k, int8_t* digits, float* scale, float* sum) {
+  constexpr int V = Block / 16;
   const __m512 sign_off = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
-  for (int64_t b = 0; b < k / kBlock; ++b) {
-    const __m512 v0 = _mm512_loadu_ps(x + b * kBlock), v1 = _mm512_loadu_ps(x + b * kBlock + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, sign_off), _mm512_and_ps(v1, sign_off)));
+  const __m512i lim = _mm512_set1_epi32(kMaxInt8), neg = _mm512_set1_epi32(-kMaxInt8);
+  for (int64_t b = 0; b < k / Block; ++b) {
+    __m512 v[V], m = _mm512_setzero_ps();
+    for (int i = 0; i < V; ++i) {
+      v[i] = _mm512_loadu_ps(x + b * Block + 16 * i);
+      m = _mm512_max_ps(m, _mm512_and_ps(v[i], sign_off));
+    }
+    const float amax = _mm512_reduce_max_ps(m);
     const float s = amax / kMaxInt8;
     const __m512 inv = _mm512_set1_ps(amax > 0.f ? kMaxInt8 / amax : 0.f);
-    const __m512i lim = _mm512_set1_epi32(kMaxInt8), neg = _mm512_set1_epi32(-kMaxInt8);
-    const __m512i q0 = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), lim), neg);
-    const __m512i q1 = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inv)), lim), neg);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(digits + b * kBlock), _mm512_cvtepi32_epi8(q0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(digits + b * kBlock + 16), _mm512_cvtepi32_epi8(q1));
+    __m512i total = _mm512_setzero_si512();
+    for (int i = 0; i < V; ++i) {
+      const __m512i q = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v[i], inv)), lim), neg);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(digits + b * Block + 16 * i), _mm512_cvtepi32_epi8(q));
+      total = _mm512_add_epi32(total, q);
+    }
     scale[b] = s;
-    sum[b] = s * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+    sum[b] = s * static_cast<float>(_mm512_reduce_add_epi32(total));
   }
 }
 
 // Columns [16 g0, 16 (g0 + G)) for M rows: acc[r][g] holds 16 columns of row r. Two: two input digits
 // (16-bit inputs), else one (8-bit).
-template <int M, int G, bool Two>
+template <int Block, int M, int G, bool Two>
 void tile_group(const KvflowPackedWeight& w, int64_t g0, const Rows& rows, float* y, int64_t y_stride) {
-  const int64_t nb = w.k / kBlock;
+  const int64_t nb = w.k / Block;
   const size_t chunk = chunk_bytes(w);
-  const size_t code_bytes = w.bits == 4 ? 256 : 512;
-  const bool has_offset = w.has_offset != 0;
+  const size_t code_bytes = packed::code_bytes(w);
+  const bool has_offset = w.has_offset != 0, any_offset = has_offset || w.centre != 0;
+  const __m512 minus_centre = _mm512_set1_ps(-static_cast<float>(w.centre));
   const uint8_t* base[G];
   for (int g = 0; g < G; ++g) base[g] = w.data + static_cast<size_t>(g0 + g) * nb * chunk;
   const __m512i low_nibble = _mm512_set1_epi8(0x0f);
@@ -84,8 +98,8 @@ void tile_group(const KvflowPackedWeight& w, int64_t g0, const Rows& rows, float
     auto step = [&](int quad, const __m512i* codes) {  // codes[g]: 16 columns x inputs 4 quad .. 4 quad + 3
       __m512i xh[M], xl[M];
       for (int r = 0; r < M; ++r) {
-        xh[r] = broadcast4(rows.hi + r * rows.stride + b * kBlock + 4 * quad);
-        if constexpr (Two) xl[r] = broadcast4(rows.lo + r * rows.stride + b * kBlock + 4 * quad);
+        xh[r] = broadcast4(rows.hi + r * rows.stride + b * Block + 4 * quad);
+        if constexpr (Two) xl[r] = broadcast4(rows.lo + r * rows.stride + b * Block + 4 * quad);
       }
       for (int g = 0; g < G; ++g)
         for (int r = 0; r < M; ++r) {
@@ -94,7 +108,7 @@ void tile_group(const KvflowPackedWeight& w, int64_t g0, const Rows& rows, float
         }
     };
     if (w.bits == 4) {
-      for (int row = 0; row < 4; ++row) {  // 64 bytes: low nibbles are inputs 8 row .. +3, high +4 .. +7
+      for (int row = 0; row < Block / 8; ++row) {  // 64 bytes: low nibbles are inputs 8 row .. +3, high +4 .. +7
         __m512i lo[G], hi[G];
         for (int g = 0; g < G; ++g) {
           const __m512i v = _mm512_loadu_si512(base[g] + at + 64 * row);
@@ -105,7 +119,7 @@ void tile_group(const KvflowPackedWeight& w, int64_t g0, const Rows& rows, float
         step(2 * row + 1, hi);
       }
     } else {
-      for (int row = 0; row < 8; ++row) {
+      for (int row = 0; row < Block / 4; ++row) {
         __m512i codes[G];
         for (int g = 0; g < G; ++g) codes[g] = _mm512_loadu_si512(base[g] + at + 64 * row);
         step(row, codes);
@@ -114,14 +128,15 @@ void tile_group(const KvflowPackedWeight& w, int64_t g0, const Rows& rows, float
     for (int g = 0; g < G; ++g) {
       const uint8_t* s = base[g] + at + code_bytes;
       const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+      // A centred weight's offset -centre * scale is exact in float32: the value a stored offset would have.
       const __m512 offset =
-          has_offset ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32))) : _mm512_setzero_ps();
+          has_offset ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32))) : _mm512_mul_ps(scale, minus_centre);
       for (int r = 0; r < M; ++r) {
         // 256 h + l: below 2^24 in magnitude for 4-bit codes, so exact in float32.
         const __m512i dot = Two ? _mm512_add_epi32(_mm512_slli_epi32(sum_hi[r][g], 8), sum_lo[r][g]) : sum_hi[r][g];
         const __m512 col_scale = _mm512_mul_ps(scale, _mm512_set1_ps(rows.scale[r * rows.blocks + b]));
         acc[r][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), col_scale, acc[r][g]);
-        if (has_offset) acc[r][g] = _mm512_fmadd_ps(offset, _mm512_set1_ps(rows.sum[r * rows.blocks + b]), acc[r][g]);
+        if (any_offset) acc[r][g] = _mm512_fmadd_ps(offset, _mm512_set1_ps(rows.sum[r * rows.blocks + b]), acc[r][g]);
       }
     }
   }
@@ -137,11 +152,11 @@ void tile_group(const KvflowPackedWeight& w, int64_t g0, const Rows& rows, float
 
 struct Vnni {
   static constexpr int kRows = 8;
-  static void quantize_row(const float* x, int64_t k, int8_t* hi, int8_t* lo, float* scale, float* sum) {
-    vnni::quantize_row(x, k, hi, lo, scale, sum);
+  static void quantize_row(const float* x, int64_t k, int block, int8_t* hi, int8_t* lo, float* scale, float* sum) {
+    (block == kSmallBlock ? vnni::quantize_row<kSmallBlock> : vnni::quantize_row<kBlock>)(x, k, hi, lo, scale, sum);
   }
-  static void quantize_row8(const float* x, int64_t k, int8_t* digits, float* scale, float* sum) {
-    vnni::quantize_row8(x, k, digits, scale, sum);
+  static void quantize_row8(const float* x, int64_t k, int block, int8_t* digits, float* scale, float* sum) {
+    (block == kSmallBlock ? vnni::quantize_row8<kSmallBlock> : vnni::quantize_row8<kBlock>)(x, k, digits, scale, sum);
   }
   template <int M>
   static void rows_block(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y,
@@ -153,10 +168,17 @@ struct Vnni {
   template <int M, bool Two>
   static void blocks(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y,
                      int64_t ys) {
+    if (w.block == kSmallBlock)
+      groups<kSmallBlock, M, Two>(w, g_lo, g_hi, rows, y, ys);
+    else
+      groups<kBlock, M, Two>(w, g_lo, g_hi, rows, y, ys);
+  }
+  template <int Block, int M, bool Two>
+  static void groups(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y, int64_t ys) {
     constexpr int G = M == 1 ? 4 : (M == 2 ? 2 : 1);
     int64_t g = g_lo;
-    for (; g + G <= g_hi; g += G) vnni::tile_group<M, G, Two>(w, g, rows, y, ys);
-    for (; g < g_hi; ++g) vnni::tile_group<M, 1, Two>(w, g, rows, y, ys);
+    for (; g + G <= g_hi; g += G) vnni::tile_group<Block, M, G, Two>(w, g, rows, y, ys);
+    for (; g < g_hi; ++g) vnni::tile_group<Block, M, 1, Two>(w, g, rows, y, ys);
   }
 };
 

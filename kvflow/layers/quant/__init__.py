@@ -1,6 +1,6 @@
 """Packed-integer linear layers for CPU: weights stay 4- or 8-bit in memory (issue 7).
 
-Build codes with `packing.from_gguf` (GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL bytes) or `quantize.quantize_weight`
+Build codes with `packing.from_gguf` (GGUF bytes of the types in packing.PACKED_BITS) or `quantize.quantize_weight`
 (float weights), fuse with `concat_rows`, reorder with `permute_rows`, then `build_quant_linear`.
 """
 

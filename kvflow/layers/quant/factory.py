@@ -4,15 +4,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import gguf
 import numpy as np
 import torch
 
+from kvflow.kernels import packed_matmul
 from kvflow.layers.quant.base import QuantLinear
 from kvflow.layers.quant.int4_linear import Int4Linear
 from kvflow.layers.quant.int8_block_linear import Int8BlockLinear
 from kvflow.layers.quant.int8_linear import Int8Linear
 from kvflow.layers.quant.packed_linear import PackedLinear
 from kvflow.layers.quant.packing import (
+    CENTRES,
+    GROUP_16_TYPES,
+    PACKED_BITS,
     ROUNDED_SCALE_TYPES,
     BlockQuant,
     as_8_bit,
@@ -20,6 +25,7 @@ from kvflow.layers.quant.packing import (
     from_gguf,
     permute_rows,
     round_scales_to_f16,
+    with_group,
 )
 
 KERNELS = ("auto", "packed", "torch")
@@ -32,9 +38,9 @@ class UnpackableCodes(ValueError):
 def build_quant_linear(
     bq: BlockQuant, bias: torch.Tensor | None = None, exact_rows: bool = False, kernel: str = "auto"
 ) -> QuantLinear:
-    """Groups of 32 with float16 scales (GGUF Q4_0 / Q4_1 / Q5_x / Q8_0 / IQ4_NL) -> PackedLinear where its kernel runs
-    (kernel "auto" or "packed"); otherwise, on PyTorch's kernels ("torch"): 4-bit -> Int4Linear; symmetric
-    8-bit per row -> Int8Linear; 8-bit per block -> Int8BlockLinear.
+    """Groups of 32 or 16 with float16 scales (the GGUF types of packing.PACKED_BITS) -> PackedLinear where its
+    kernel runs (kernel "auto" or "packed"); otherwise, on PyTorch's kernels ("torch"): 4-bit -> Int4Linear;
+    symmetric 8-bit per row -> Int8Linear; 8-bit per block -> Int8BlockLinear.
 
     exact_rows keeps float32 group scales so that `embedding()` matches the source exactly (tied embeddings);
     PackedLinear is exact without it."""
@@ -46,6 +52,8 @@ def build_quant_linear(
         raise ValueError("the packed kernel cannot take these codes here (needs AVX512-BF16, groups of 32 and "
                          "float16-exact scales)")
     n, k = bq.shape
+    if bq.group_size < 32:  # PyTorch's int4 kernel takes groups of 32 and more
+        raise UnpackableCodes(f"groups of {bq.group_size} inputs (GGUF Q6_K / Q3_K / Q2_K) need kvflow's packed kernel")
     if bq.bits == 4:
         return Int4Linear(bq, bias, exact_rows=exact_rows)
     if not torch.equal(bq.offset, -128.0 * bq.scale):
@@ -67,8 +75,19 @@ def gguf_linear(
 
     parts: (tensor.data [out, bytes], type name such as "Q4_1") per tensor, in fused order.
     row_orders: per part, a row index to apply first (packing.unpermute_rope_index for llama q/k), or None.
-    Parts of different code widths are all held as 8-bit codes (exactly: a 4-bit code is an 8-bit one).
+    Parts of different code widths are all held as 8-bit codes (exactly: a 4-bit code is an 8-bit one), and
+    parts of different group sizes with the smallest one's (each scale repeated).
     """
+    if packed_matmul.available():  # straight from the file's bytes, in C++; the same layer as below
+        bits = max(PACKED_BITS[qtype] for _, qtype in parts)
+        group = 16 if any(qtype in GROUP_16_TYPES for _, qtype in parts) else 32
+        centres = {CENTRES.get(qtype, 0) for _, qtype in parts}
+        centre = centres.pop() if len(centres) == 1 else 0
+        pw = packed_matmul.pack_gguf(
+            [(raw, gguf.GGMLQuantizationType[qtype].value, row_orders[i] if row_orders is not None else None)
+             for i, (raw, qtype) in enumerate(parts)], bits, group, centre)
+        if pw is not None:
+            return PackedLinear(pw, bias)
     codes = []
     for i, (raw, qtype) in enumerate(parts):
         bq = from_gguf(raw, qtype)
@@ -78,4 +97,6 @@ def gguf_linear(
         codes.append(bq if order is None else permute_rows(bq, order))
     if len({bq.bits for bq in codes}) > 1:  # a fused layer of 4- and 8-bit parts (a Q4_K q beside a Q5_0 k)
         codes = [as_8_bit(bq) for bq in codes]
+    smallest = min(bq.group_size for bq in codes)
+    codes = [bq if bq.group_size == smallest else with_group(bq, smallest) for bq in codes]
     return build_quant_linear(concat_rows(codes) if len(codes) > 1 else codes[0], bias, exact_rows)

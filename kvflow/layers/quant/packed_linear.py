@@ -1,5 +1,5 @@
-"""4- and 8-bit group-wise linear on kvflow's own kernel (kernels/packed_matmul): GGUF Q4_0 / Q4_1 / Q8_0,
-and Q5_0 / Q5_1 / IQ4_NL as 8-bit codes.
+"""4- and 8-bit group-wise linear on kvflow's own kernel (kernels/packed_matmul): the GGUF types of
+packing.PACKED_BITS (the 5- and 6-bit ones and the IQ4 tables as 8-bit codes), in blocks of 32 or 16 inputs.
 
 Where the kernels build (a C++ compiler; every CPU tier), it replaces Int4Linear and Int8BlockLinear: the codes
 and float16 scales are stored as the GGUF has them, so the weights it multiplies by are the file's own
@@ -22,15 +22,18 @@ ROWS_PER_TILE = 512  # rows dequantized at a time (float32 temporaries of a few 
 class PackedLinear(QuantLinear):
     tile_align = packed_matmul.COLUMNS
 
-    def __init__(self, bq: BlockQuant, bias: torch.Tensor | None = None) -> None:
-        n, k = bq.shape
-        super().__init__(k, n, bias)
-        self.packed = packed_matmul.pack(bq.q, bq.scale, bq.offset, bq.group_size, bq.bits)
+    def __init__(self, bq: BlockQuant | packed_matmul.PackedWeight, bias: torch.Tensor | None = None) -> None:
+        """From codes, or from bytes already in the kernel's layout (packed_matmul.pack_gguf)."""
+        if isinstance(bq, BlockQuant):
+            bq = packed_matmul.pack(bq.q, bq.scale, bq.offset, bq.group_size, bq.bits, bq.centre)
+        super().__init__(bq.k, bq.n, bias)
+        self.packed = bq
         self._block_abs_sum: torch.Tensor | None = None  # for error_bound, computed on first use
 
     @staticmethod
     def can_build(bq: BlockQuant) -> bool:
-        return packed_matmul.available() and packed_matmul.can_pack(bq.q, bq.scale, bq.offset, bq.group_size, bq.bits)
+        return packed_matmul.available() and packed_matmul.can_pack(bq.q, bq.scale, bq.offset, bq.group_size, bq.bits,
+                                                                    bq.centre)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -39,8 +42,8 @@ class PackedLinear(QuantLinear):
             return super().forward(x)
         x2 = x2.float().contiguous()
         if torch.compiler.is_compiling():
-            y = torch.ops.kvflow.packed_matmul(x2, self.packed.data, self.out_features, self.packed.bits,
-                                               self.packed.has_offset)
+            p = self.packed
+            y = torch.ops.kvflow.packed_matmul(x2, p.data, self.out_features, p.bits, p.has_offset, p.group, p.centre)
         else:
             y = packed_matmul.matmul(x2, self.packed)
         if self.bias is not None:
@@ -53,7 +56,7 @@ class PackedLinear(QuantLinear):
         dense = torch.empty(self.out_features, self.in_features, dtype=torch.bfloat16)
         for start in range(0, self.out_features, ROWS_PER_TILE):
             rows = torch.arange(start, min(start + ROWS_PER_TILE, self.out_features))
-            dense[start : start + len(rows)] = packed_matmul.dequantize(self.packed, rows)
+            dense[start : start + len(rows)] = packed_matmul.rows(self.packed, rows)
         self.dense_bf16 = dense
 
     def kernel_mm(self, x: torch.Tensor) -> torch.Tensor:
@@ -61,20 +64,21 @@ class PackedLinear(QuantLinear):
 
     def dequantize_t(self, start: int, stop: int) -> torch.Tensor:
         rows = torch.arange(start, min(stop, self.out_features))
-        w = packed_matmul.dequantize(self.packed, rows).to(torch.bfloat16)
+        w = packed_matmul.rows(self.packed, rows).to(torch.bfloat16)
         if stop > self.out_features:
             w = torch.cat([w, w.new_zeros(stop - self.out_features, self.in_features)])
         return w.t()
 
     def dequantize(self) -> torch.Tensor:
-        return torch.cat([packed_matmul.dequantize(self.packed, torch.arange(s, min(s + ROWS_PER_TILE, self.out_features)))
+        return torch.cat([packed_matmul.rows(self.packed, torch.arange(s, min(s + ROWS_PER_TILE, self.out_features)))
                           for s in range(0, self.out_features, ROWS_PER_TILE)])
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of the weight, float32 [*ids.shape, in]: exactly the GGUF's dequantized values."""
         if torch.compiler.is_compiling():
             p = self.packed
-            flat = torch.ops.kvflow.packed_rows(ids.reshape(-1), p.data, p.n, p.k, p.bits, p.has_offset)
+            flat = torch.ops.kvflow.packed_rows(ids.reshape(-1), p.data, p.n, p.k, p.bits, p.has_offset, p.group,
+                                                p.centre)
             return flat.view(*ids.shape, self.in_features)
         return packed_matmul.rows(self.packed, ids)
 
@@ -94,10 +98,10 @@ class PackedLinear(QuantLinear):
 
     def error_bound(self, x: torch.Tensor) -> torch.Tensor:
         """A bound on |y - x @ W^T| per row of x [T, in] (float32 [T, 1]): the kernel's only approximation
-        is the input's, at most half a step of max|x| / 32639 per block of 32, times that block's largest
-        sum of |w| over an output row; plus slack for float32 sums."""
+        is the input's, at most half a step of max|x| / 32639 per block (the weight's group), times that
+        block's largest sum of |w| over an output row; plus slack for float32 sums."""
         self.prepare_error_bound()
-        amax = x.float().view(x.shape[0], -1, packed_matmul.GROUP).abs().amax(-1)  # [T, blocks]
+        amax = x.float().view(x.shape[0], -1, self.packed.group).abs().amax(-1)  # [T, blocks]
         bound = amax @ self._block_abs_sum / (2 * packed_matmul.INPUT_STEPS)
         return (bound * 1.01 + 1e-6 * x.float().abs().sum(-1) * self._block_abs_sum.max()).unsqueeze(-1)
 
@@ -108,28 +112,32 @@ class PackedLinear(QuantLinear):
             sums = []
             for start in range(0, self.out_features, ROWS_PER_TILE):  # bounded temporaries
                 rows = torch.arange(start, min(start + ROWS_PER_TILE, self.out_features))
-                w = packed_matmul.dequantize(self.packed, rows).abs()
-                sums.append(w.view(len(rows), -1, packed_matmul.GROUP).sum(-1).amax(0))
+                w = packed_matmul.rows(self.packed, rows).abs()
+                sums.append(w.view(len(rows), -1, self.packed.group).sum(-1).amax(0))
             self._block_abs_sum = torch.stack(sums).amax(0)  # [blocks]
 
 
 @torch.library.custom_op("kvflow::packed_matmul", mutates_args=())
-def _packed_matmul_op(x: torch.Tensor, data: torch.Tensor, n: int, bits: int, has_offset: bool) -> torch.Tensor:
+def _packed_matmul_op(x: torch.Tensor, data: torch.Tensor, n: int, bits: int, has_offset: bool,
+                      group: int, centre: int) -> torch.Tensor:
     # An op of its own so that torch.compile calls the kernel rather than tracing into ctypes.
-    pw = packed_matmul.PackedWeight(data, n, x.shape[1], bits, has_offset)
+    pw = packed_matmul.PackedWeight(data, n, x.shape[1], bits, has_offset, group, centre)
     return packed_matmul.matmul(x, pw)
 
 
 @_packed_matmul_op.register_fake
-def _(x: torch.Tensor, data: torch.Tensor, n: int, bits: int, has_offset: bool) -> torch.Tensor:
+def _(x: torch.Tensor, data: torch.Tensor, n: int, bits: int, has_offset: bool, group: int,
+      centre: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], n)
 
 
 @torch.library.custom_op("kvflow::packed_rows", mutates_args=())
-def _packed_rows_op(ids: torch.Tensor, data: torch.Tensor, n: int, k: int, bits: int, has_offset: bool) -> torch.Tensor:
-    return packed_matmul.rows(packed_matmul.PackedWeight(data, n, k, bits, has_offset), ids)
+def _packed_rows_op(ids: torch.Tensor, data: torch.Tensor, n: int, k: int, bits: int, has_offset: bool,
+                    group: int, centre: int) -> torch.Tensor:
+    return packed_matmul.rows(packed_matmul.PackedWeight(data, n, k, bits, has_offset, group, centre), ids)
 
 
 @_packed_rows_op.register_fake
-def _(ids: torch.Tensor, data: torch.Tensor, n: int, k: int, bits: int, has_offset: bool) -> torch.Tensor:
+def _(ids: torch.Tensor, data: torch.Tensor, n: int, k: int, bits: int, has_offset: bool, group: int,
+      centre: int) -> torch.Tensor:
     return data.new_empty(ids.shape[0], k, dtype=torch.float32)

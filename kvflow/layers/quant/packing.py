@@ -12,10 +12,14 @@ IQ4_NL (w = d*table[i], a fixed 16-entry table of int8 values) q = table[i] + 12
 With d an f16 value, d*q and the offset are exact in float32, so `dequantize` reproduces
 gguf.quants.dequantize bit for bit.
 
-The K-quants Q4_K and Q5_K (super-blocks of 256: an f16 d and dmin, and per sub-block of 32 a 6-bit scale
-sc and min m) are affine per 32 too: scale = d*sc, offset = -dmin*m, 4-bit or (Q5_K) 8-bit codes, decoded
-exactly into float32 scales. Those products need up to 17 significant bits, so the packed kernel's float16
-scales hold them rounded (`round_scales_to_f16`: each scale and offset within 2^-11 of its own size).
+The K-quants (super-blocks of 256 with an f16 d, and dmin where there are mins) are affine per sub-block:
+- Q4_K, Q5_K: per 32, a 6-bit scale sc and min m: scale = d*sc, offset = -dmin*m; 4-bit or (Q5_K) 8-bit codes.
+- Q6_K: per 16, an int8 scale: w = d*sc*(q6-32), 8-bit codes q6, offset = -32 scale.
+- Q3_K: per 16, a 6-bit scale: w = d*(sc-32)*(q3-4), 4-bit codes q3, offset = -4 scale.
+- Q2_K: per 16, a 4-bit scale and min: w = d*sc*q2 - dmin*m, 4-bit codes.
+- IQ4_XS: per 32, a 6-bit scale: w = d*(ls-32)*table[i], IQ4_NL's codes.
+Their scales are decoded exactly into float32; those products need up to 19 significant bits, so the packed
+kernel's float16 scales hold them rounded (`round_scales_to_f16`: each within 2^-11 of its own size).
 """
 
 from __future__ import annotations
@@ -29,9 +33,16 @@ QK = 32  # elements per GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL block
 _BLOCK_BYTES = {"Q8_0": 2 + QK, "Q4_0": 2 + QK // 2, "Q4_1": 4 + QK // 2, "Q5_0": 6 + QK // 2, "Q5_1": 8 + QK // 2,
                 "IQ4_NL": 2 + QK // 2}
 QK_K = 256  # elements per K-quant super-block
-_SUPER_BLOCK_BYTES = {"Q4_K": 4 + 12 + QK_K // 2, "Q5_K": 4 + 12 + QK_K // 8 + QK_K // 2}
-PACKED_BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 8, "Q5_1": 8, "Q8_0": 8, "IQ4_NL": 8, "Q4_K": 4, "Q5_K": 8}
-ROUNDED_SCALE_TYPES = ("Q4_K", "Q5_K")  # scales exact in float32 only: rounded to float16 to run packed
+_SUPER_BLOCK_BYTES = {"Q4_K": 4 + 12 + QK_K // 2, "Q5_K": 4 + 12 + QK_K // 8 + QK_K // 2,
+                      "Q6_K": QK_K // 2 + QK_K // 4 + QK_K // 16 + 2, "Q3_K": QK_K // 8 + QK_K // 4 + 12 + 2,
+                      "Q2_K": QK_K // 16 + QK_K // 4 + 4, "IQ4_XS": 4 + QK_K // 64 + QK_K // 2}
+PACKED_BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 8, "Q5_1": 8, "Q8_0": 8, "IQ4_NL": 8, "Q4_K": 4, "Q5_K": 8,
+               "Q6_K": 8, "Q3_K": 4, "Q2_K": 4, "IQ4_XS": 8}
+# The symmetric types' centre c: w = scale * (q - c), so offset = -c * scale is not stored (the packed
+# kernel derives it, exactly). The others (Q4_1, Q5_1, Q4_K, Q5_K, Q2_K) have free offsets (mins).
+CENTRES = {"Q8_0": 128, "Q5_0": 128, "IQ4_NL": 128, "IQ4_XS": 128, "Q4_0": 8, "Q6_K": 32, "Q3_K": 4}
+GROUP_16_TYPES = ("Q6_K", "Q3_K", "Q2_K")  # a scale per 16 inputs; every other type has one per 32
+ROUNDED_SCALE_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS")  # exact in float32 only: rounded to f16
 # IQ4_NL's values (ggml's kvalues_iq4nl), as 8-bit codes q = value + 128.
 _IQ4_NL_CODES = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]) + 128
 
@@ -45,17 +56,19 @@ class BlockQuant:
     offset: torch.Tensor
     group_size: int
     bits: int  # 4 (q in 0..15) or 8 (q in 0..255)
+    centre: int = 0  # offset = -centre * scale for every group (symmetric codes), or 0: offsets free
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.q.shape)
 
     def dequantize(self) -> torch.Tensor:
-        """float32 [N, K]; the same rounding as gguf.quants.dequantize (one float32 rounding, or none)."""
+        """float32 [N, K]: each weight's exact value rounded once, as gguf.quants.dequantize gives it (the
+        sums are exact in float64: a scale's 19 bits times an 8-bit code)."""
         n, k = self.q.shape
-        q = self.q.view(n, k // self.group_size, self.group_size).float()
-        w = q * self.scale.unsqueeze(-1) + self.offset.unsqueeze(-1)
-        return w.view(n, k)
+        q = self.q.view(n, k // self.group_size, self.group_size).double()
+        w = q * self.scale.double().unsqueeze(-1) + self.offset.double().unsqueeze(-1)
+        return w.view(n, k).float()
 
 
 def from_gguf(raw: np.ndarray, qtype: str) -> BlockQuant:
@@ -65,9 +78,13 @@ def from_gguf(raw: np.ndarray, qtype: str) -> BlockQuant:
     raw = np.ascontiguousarray(raw, dtype=np.uint8)
     if not raw.flags.writeable:  # a memory-mapped GGUF; torch wants writable memory even to read
         raw = raw.copy()
+    bq = _from_k_quant(raw, qtype) if qtype in _SUPER_BLOCK_BYTES else _from_blocks(raw, qtype)
+    bq.centre = CENTRES.get(qtype, 0)
+    return bq
+
+
+def _from_blocks(raw: np.ndarray, qtype: str) -> BlockQuant:
     n, row_bytes = raw.shape
-    if qtype in _SUPER_BLOCK_BYTES:
-        return _from_k_quant(raw, qtype)
     if row_bytes % _BLOCK_BYTES[qtype]:
         raise ValueError(f"{qtype} rows must be whole blocks of {_BLOCK_BYTES[qtype]} bytes, got {row_bytes}")
     blocks = torch.from_numpy(raw).view(n, row_bytes // _BLOCK_BYTES[qtype], _BLOCK_BYTES[qtype])
@@ -96,6 +113,14 @@ def _from_k_quant(raw: np.ndarray, qtype: str) -> BlockQuant:
     if row_bytes % size:
         raise ValueError(f"{qtype} rows must be whole super-blocks of {size} bytes, got {row_bytes}")
     blocks = torch.from_numpy(raw).view(n, row_bytes // size, size)
+    decode = {"Q6_K": _q6_k, "Q3_K": _q3_k, "Q2_K": _q2_k, "IQ4_XS": _iq4_xs}.get(qtype, _q4_k_or_q5_k)
+    q, scale, offset, group = decode(blocks, qtype)
+    return BlockQuant(q.reshape(n, -1).contiguous(), scale.reshape(n, -1), offset.reshape(n, -1), group,
+                      PACKED_BITS[qtype])
+
+
+def _q4_k_or_q5_k(blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    n, size = blocks.shape[0], blocks.shape[-1]
     d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
     sc, m = _k_scales_and_mins(blocks[..., 4:16])
     # 32 bytes of low and high nibbles per pair of sub-blocks: low ones are sub-block 2j, high ones 2j + 1.
@@ -104,9 +129,61 @@ def _from_k_quant(raw: np.ndarray, qtype: str) -> BlockQuant:
     if qtype == "Q5_K":  # bit j of byte i of the 32 high-bit bytes: sub-block j's element i
         qh = blocks[..., 16:48].reshape(n, -1, 1, 32)
         q = q | (((qh >> torch.arange(8, dtype=torch.uint8).view(8, 1)) & 1) << 4)
-    scale = (d.unsqueeze(-1) * sc.float()).reshape(n, -1)
-    offset = -(dmin.unsqueeze(-1) * m.float()).reshape(n, -1)
-    return BlockQuant(q.reshape(n, -1).contiguous(), scale, offset, QK, PACKED_BITS[qtype])
+    return q, d.unsqueeze(-1) * sc.float(), -(dmin.unsqueeze(-1) * m.float()), QK
+
+
+def _q6_k(blocks: torch.Tensor, _: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d. Element 128 h + 64 nib + 32 w + l
+    (per half h) is nibble `nib` of low byte 64 h + 32 w + l and bit pair 2 nib + w of high byte 32 h + l."""
+    n = blocks.shape[0]
+    ql = blocks[..., 0:128].reshape(n, -1, 2, 1, 2, 32)  # [.., half, -, w, l]
+    qh = blocks[..., 128:192].reshape(n, -1, 2, 1, 1, 32)
+    nib = torch.tensor([0, 4], dtype=torch.uint8).view(2, 1, 1)
+    pair = torch.tensor([[0, 2], [4, 6]], dtype=torch.uint8).view(2, 2, 1)  # [nib, w]
+    q = ((ql >> nib) & 0x0F) | (((qh >> pair) & 3) << 4)  # [.., half, nib, w, l]
+    scale = _f16(blocks[..., 208:210]).unsqueeze(-1) * blocks[..., 192:208].view(torch.int8).float()
+    return q, scale, -32.0 * scale, 16
+
+
+def _low_2_bit_planes(qs: torch.Tensor) -> torch.Tensor:
+    """[.., 64] bytes of 2-bit codes -> [.., 256]: element 128 h + 32 j + l is bits 2j of byte 32 h + l."""
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
+    return (qs.reshape(*qs.shape[:-1], 2, 1, 32) >> shifts) & 3  # [.., half, j, l]
+
+
+def _q3_k(blocks: torch.Tensor, _: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """32 bytes of high bits (bit 4 h + j of byte l: element 128 h + 32 j + l), 64 of low bit pairs, 12 bytes
+    of 6-bit scales, d."""
+    n = blocks.shape[0]
+    low = _low_2_bit_planes(blocks[..., 32:96])
+    hm = blocks[..., 0:32].reshape(n, -1, 1, 1, 32)
+    high = (hm >> torch.arange(8, dtype=torch.uint8).view(2, 4, 1)) & 1  # [.., half, j, l]
+    q = low | (high << 2)
+    packed = blocks[..., 96:108]  # scale s: low 4 bits from byte s % 8 (high nibble for s >= 8), top 2 bits
+    low4 = torch.cat([packed[..., 0:8] & 0x0F, packed[..., 0:8] >> 4], dim=-1)  # from byte 8 + s % 4
+    top2 = (packed[..., 8:12].unsqueeze(-2) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3
+    sc = (low4 | (top2.reshape(*low4.shape) << 4)).float() - 32.0
+    scale = _f16(blocks[..., 108:110]).unsqueeze(-1) * sc
+    return q, scale, -4.0 * scale, 16
+
+
+def _q2_k(blocks: torch.Tensor, _: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """16 bytes of (4-bit scale, 4-bit min) per 16, 64 bytes of 2-bit codes, d, dmin."""
+    sc = blocks[..., 0:16]
+    d, dmin = _f16(blocks[..., 80:82]).unsqueeze(-1), _f16(blocks[..., 82:84]).unsqueeze(-1)
+    return _low_2_bit_planes(blocks[..., 16:80]), d * (sc & 0x0F).float(), -(dmin * (sc >> 4).float()), 16
+
+
+def _iq4_xs(blocks: torch.Tensor, _: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """d, 2 bytes of the scales' top bit pairs, 4 bytes of their low nibbles, then IQ4_NL's nibbles per 32."""
+    n = blocks.shape[0]
+    low = torch.stack([blocks[..., 4:8] & 0x0F, blocks[..., 4:8] >> 4], dim=-1).reshape(n, -1, 8)
+    high = _bits_of(torch.cat([blocks[..., 2:4], torch.zeros_like(blocks[..., 2:4])], dim=-1))[..., :16]
+    top = high.reshape(n, -1, 8, 2)
+    ls = (low | (top[..., 0] << 4) | (top[..., 1] << 5)).float() - 32.0
+    q = _IQ4_NL_CODES.to(torch.uint8)[_nibbles(blocks[..., 8:].reshape(n, -1, 8, 16)).long()]
+    scale = _f16(blocks[..., 0:2]).unsqueeze(-1) * ls
+    return q, scale, -128.0 * scale, QK
 
 
 def _k_scales_and_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,12 +198,25 @@ def _k_scales_and_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 def as_8_bit(bq: BlockQuant) -> BlockQuant:
     """The same weights as 8-bit codes (4-bit codes 0..15 are 8-bit ones), to fuse with 8-bit parts."""
-    return BlockQuant(bq.q, bq.scale, bq.offset, bq.group_size, 8)
+    return BlockQuant(bq.q, bq.scale, bq.offset, bq.group_size, 8, bq.centre)
+
+
+def with_group(bq: BlockQuant, group_size: int) -> BlockQuant:
+    """The same weights with scales per `group_size` inputs, a divisor of the current group (each scale
+    repeated), to fuse with parts of smaller groups (a Q4_K q beside a Q6_K v)."""
+    if bq.group_size % group_size:
+        raise ValueError(f"groups of {bq.group_size} cannot be split into groups of {group_size}")
+    times = bq.group_size // group_size
+    return BlockQuant(bq.q, bq.scale.repeat_interleave(times, dim=1), bq.offset.repeat_interleave(times, dim=1),
+                      group_size, bq.bits, bq.centre)
 
 
 def round_scales_to_f16(bq: BlockQuant) -> BlockQuant:
-    """The same codes with scales and offsets rounded to float16 (nearest), for the packed kernel."""
-    return BlockQuant(bq.q, bq.scale.half().float(), bq.offset.half().float(), bq.group_size, bq.bits)
+    """The same codes with scales and offsets rounded to float16 (nearest), for the packed kernel; a centred
+    weight's offsets stay -centre * scale (of the rounded scale: the kernel derives them so)."""
+    scale = bq.scale.half().float()
+    offset = -bq.centre * scale if bq.centre else bq.offset.half().float()
+    return BlockQuant(bq.q, scale, offset, bq.group_size, bq.bits, bq.centre)
 
 
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:
@@ -156,13 +246,14 @@ def concat_rows(parts: list[BlockQuant]) -> BlockQuant:
         torch.cat([p.offset for p in parts]),
         first.group_size,
         first.bits,
+        first.centre if all(p.centre == first.centre for p in parts) else 0,
     )
 
 
 def permute_rows(bq: BlockQuant, index: torch.Tensor) -> BlockQuant:
     """Reorder output rows: row i of the result is row index[i]. Groups run along the input dim, so
     a row permutation moves whole rows of q, scale and offset together."""
-    return BlockQuant(bq.q[index], bq.scale[index], bq.offset[index], bq.group_size, bq.bits)
+    return BlockQuant(bq.q[index], bq.scale[index], bq.offset[index], bq.group_size, bq.bits, bq.centre)
 
 
 def unpermute_rope_index(n_rows: int, n_heads: int) -> torch.Tensor:

@@ -42,10 +42,10 @@ float half_value(uint16_t bits) {
   return static_cast<float>(h);
 }
 
-// The layout of kvflow_cpu.h, from codes q [n, k] and float16 scales and offsets [n, k / 32].
+// The layout of kvflow_cpu.h, from codes q [n, k] and float16 scales and offsets [n, k / block].
 std::vector<uint8_t> pack(const std::vector<uint8_t>& q, const std::vector<uint16_t>& scale,
-                          const std::vector<uint16_t>& offset, int n, int k, int bits, bool has_offset) {
-  const int groups = (n + 15) / 16, blocks = k / 32, code = bits == 4 ? 256 : 512;
+                          const std::vector<uint16_t>& offset, int n, int k, int bits, bool has_offset, int block) {
+  const int groups = (n + 15) / 16, blocks = k / block, code = 2 * block * bits;
   const int chunk = code + (has_offset ? 64 : 32);
   std::vector<uint8_t> out(static_cast<size_t>(groups) * blocks * chunk, 0);
   for (int g = 0; g < groups; ++g)
@@ -54,8 +54,8 @@ std::vector<uint8_t> pack(const std::vector<uint8_t>& q, const std::vector<uint1
       for (int j = 0; j < 16; ++j) {
         const int col = g * 16 + j;
         if (col >= n) continue;
-        for (int i = 0; i < 32; ++i) {
-          const uint8_t c = q[static_cast<size_t>(col) * k + b * 32 + i];
+        for (int i = 0; i < block; ++i) {
+          const uint8_t c = q[static_cast<size_t>(col) * k + b * block + i];
           if (bits == 4) {
             uint8_t& byte = at[64 * (i / 8) + 4 * j + i % 4];
             byte |= (i % 8) < 4 ? c : static_cast<uint8_t>(c << 4);
@@ -70,65 +70,81 @@ std::vector<uint8_t> pack(const std::vector<uint8_t>& q, const std::vector<uint1
   return out;
 }
 
-// What the packed matmul computes, written out plainly: digits per block of 32 inputs, exact integer
+// What the packed matmul computes, written out plainly: digits per block of `block` inputs, exact integer
 // sums, then acc = fma(dot, scale * input scale, acc) and acc = fma(offset, input sum, acc) per block.
 float reference_output(const float* x, const std::vector<uint8_t>& q, const std::vector<uint16_t>& scale,
-                       const std::vector<uint16_t>& offset, int col, int k, bool has_offset, bool bits8) {
+                       const std::vector<uint16_t>& offset, int col, int k, bool has_offset, bool bits8, int block,
+                       int centre) {
   const int32_t kMaxInt = bits8 ? 127 : 32639;
   float acc = 0.f;
-  for (int b = 0; b < k / 32; ++b) {
+  for (int b = 0; b < k / block; ++b) {
+    const float* xb = x + b * block;
     float amax = 0.f;
-    for (int i = 0; i < 32; ++i) amax = std::fabs(x[b * 32 + i]) > amax ? std::fabs(x[b * 32 + i]) : amax;
+    for (int i = 0; i < block; ++i) amax = std::fabs(xb[i]) > amax ? std::fabs(xb[i]) : amax;
     const float s = amax / kMaxInt, inv = amax > 0.f ? kMaxInt / amax : 0.f;
     int64_t dot = 0, total = 0;
-    for (int i = 0; i < 32; ++i) {
-      int32_t v = static_cast<int32_t>(std::nearbyint(x[b * 32 + i] * inv));
+    for (int i = 0; i < block; ++i) {
+      int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * inv));
       v = v > kMaxInt ? kMaxInt : (v < -kMaxInt ? -kMaxInt : v);
-      dot += static_cast<int64_t>(q[static_cast<size_t>(col) * k + b * 32 + i]) * v;
+      dot += static_cast<int64_t>(q[static_cast<size_t>(col) * k + b * block + i]) * v;
       total += v;
     }
-    const size_t at = static_cast<size_t>(col) * (k / 32) + b;
+    const size_t at = static_cast<size_t>(col) * (k / block) + b;
     acc = std::fma(static_cast<float>(static_cast<int32_t>(dot)), half_value(scale[at]) * s, acc);
     if (has_offset) acc = std::fma(half_value(offset[at]), s * static_cast<float>(total), acc);
+    if (centre) acc = std::fma(half_value(scale[at]) * -static_cast<float>(centre), s * static_cast<float>(total), acc);
   }
   return acc;
+}
+
+// One packed weight against reference_output for every row count, thread count and input width.
+void check_weight(const KvflowPackedWeight& w, const std::vector<uint8_t>& q, const std::vector<uint16_t>& scale,
+                  const std::vector<uint16_t>& offset) {
+  const int n = static_cast<int>(w.n), k = static_cast<int>(w.k);
+  for (int m : {1, 2, 3, 5, 9})
+    for (int threads : {1, 2})
+      for (bool bits8 : {false, true}) {
+        std::vector<float> x(static_cast<size_t>(m) * k), y(static_cast<size_t>(m) * n, NAN);
+        for (auto& v : x) v = uniform(-4.f, 4.f);
+        if (kvflow_packed_matmul(&w, x.data(), k, m, y.data(), n, bits8 ? 8 : 16, threads) != 0)
+          fail("packed matmul refused");
+        for (int r = 0; r < m; ++r)
+          for (int c = 0; c < n; ++c) {
+            const float want = reference_output(x.data() + r * k, q, scale, offset, c, k, w.has_offset != 0, bits8,
+                                                w.block, w.centre);
+            const float got = y[static_cast<size_t>(r) * n + c];
+            if (std::memcmp(&want, &got, 4) != 0) {
+              std::printf("block %d bits %d offset %d centre %d n %d m %d threads %d 8-bit inputs %d row %d col %d: "
+                          "%.9g != %.9g\n", w.block, w.bits, w.has_offset, w.centre, n, m, threads, bits8, r, c, got,
+                          want);
+              fail("packed matmul differs from its reference");
+            }
+          }
+      }
 }
 
 void check_packed_matmul() {
   KvflowTuning tuning{16, 8, 8};
   kvflow_set_tuning(&tuning);
-  for (int bits : {4, 8})
-    for (bool has_offset : {true, false})
-      for (int n : {16, 40, 200}) {
-        const int k = 96;
-        std::vector<uint8_t> q(static_cast<size_t>(n) * k);
-        for (auto& c : q) c = static_cast<uint8_t>(rng() % (bits == 4 ? 16 : 256));
-        std::vector<uint16_t> scale(static_cast<size_t>(n) * k / 32), offset(scale.size());
-        for (size_t i = 0; i < scale.size(); ++i) {
-          scale[i] = half_bits(uniform(0.001f, 0.05f));
-          offset[i] = half_bits(uniform(-0.3f, 0.3f));
+  for (int block : {32, 16})
+    for (int bits : {4, 8})
+      for (bool has_offset : {true, false})
+        for (int n : {16, 40, 200}) {
+          const int k = 96;
+          std::vector<uint8_t> q(static_cast<size_t>(n) * k);
+          for (auto& c : q) c = static_cast<uint8_t>(rng() % (bits == 4 ? 16 : 256));
+          std::vector<uint16_t> scale(static_cast<size_t>(n) * k / block), offset(scale.size());
+          for (size_t i = 0; i < scale.size(); ++i) {
+            scale[i] = half_bits(uniform(0.001f, 0.05f));
+            offset[i] = half_bits(uniform(-0.3f, 0.3f));
+          }
+          const std::vector<uint8_t> data = pack(q, scale, offset, n, k, bits, has_offset, block);
+          check_weight({data.data(), n, k, bits, has_offset ? 1 : 0, block, 0}, q, scale, offset);
+          if (!has_offset)  // the same codes as symmetric ones: offsets -centre * scale, derived, not stored
+            check_weight({data.data(), n, k, bits, 0, block, bits == 4 ? 8 : 128}, q, scale, offset);
         }
-        const std::vector<uint8_t> data = pack(q, scale, offset, n, k, bits, has_offset);
-        const KvflowPackedWeight w{data.data(), n, k, bits, has_offset ? 1 : 0};
-        for (int m : {1, 2, 3, 5, 9})
-          for (int threads : {1, 2})
-            for (bool bits8 : {false, true}) {
-              std::vector<float> x(static_cast<size_t>(m) * k), y(static_cast<size_t>(m) * n, NAN);
-              for (auto& v : x) v = uniform(-4.f, 4.f);
-              if (kvflow_packed_matmul(&w, x.data(), k, m, y.data(), n, bits8 ? 8 : 16, threads) != 0)
-                fail("packed matmul refused");
-              for (int r = 0; r < m; ++r)
-                for (int c = 0; c < n; ++c) {
-                  const float want = reference_output(x.data() + r * k, q, scale, offset, c, k, has_offset, bits8);
-                  if (std::memcmp(&want, &y[static_cast<size_t>(r) * n + c], 4) != 0) {
-                    std::printf("bits %d offset %d n %d m %d threads %d 8-bit inputs %d row %d col %d: %.9g != %.9g\n",
-                                bits, has_offset, n, m, threads, bits8, r, c, y[static_cast<size_t>(r) * n + c], want);
-                    fail("packed matmul differs from its reference");
-                  }
-                }
-            }
-      }
-  std::printf("ok packed matmul (path %d): bitwise equal to the reference\n", kvflow_packed_matmul_path());
+  std::printf("ok packed matmul (path %d), blocks of 32 and 16, stored and derived offsets: bitwise equal to "
+              "the reference\n", kvflow_packed_matmul_path());
 }
 
 template <typename T>

@@ -42,23 +42,53 @@ def test_iq4_nl_random_blocks_are_bit_exact():
     np.testing.assert_array_equal(bq.dequantize().numpy(), gguf_dequant(raw, "IQ4_NL"))
 
 
-@pytest.mark.parametrize(("qtype", "size"), [("Q4_K", 144), ("Q5_K", 176)])
-def test_k_quant_random_super_blocks_are_bit_exact(qtype, size):
+# type: (super-block bytes, where its float16 d (and dmin) sit, inputs per scale)
+K_QUANTS = {"Q4_K": (144, slice(0, 4), 32), "Q5_K": (176, slice(0, 4), 32), "Q6_K": (210, slice(208, 210), 16),
+            "Q3_K": (110, slice(108, 110), 16), "Q2_K": (84, slice(80, 84), 16), "IQ4_XS": (136, slice(0, 2), 32)}
+
+
+@pytest.mark.parametrize("qtype", K_QUANTS)
+def test_k_quant_random_super_blocks_are_bit_exact(qtype):
     """Random super-blocks (finite float16 d and dmin; every scale, min and code pattern): the decoded
     float32 scales reproduce gguf's dequantization exactly; rounded to float16 for the packed kernel, each
-    weight moves by at most 2^-11 of its block's |scale| * 31 + |offset|."""
+    weight moves by at most 2^-11 of its block's |scale| * largest code + |offset|."""
+    size, halves, group = K_QUANTS[qtype]
     rng = np.random.default_rng(3)
     rows, supers = 8, 3
     raw = rng.integers(0, 256, (rows, supers, size), dtype=np.uint8)
-    raw[..., 0:4] = rng.uniform(-1, 1, (rows, supers, 2)).astype(np.float16).view(np.uint8)
+    raw[..., halves] = rng.uniform(-1, 1, (rows, supers, (halves.stop - halves.start) // 2)).astype(np.float16).view(np.uint8)
     raw = raw.reshape(rows, -1)
     bq = from_gguf(raw, qtype)
-    assert bq.shape == (rows, supers * 256) and bq.bits == (4 if qtype == "Q4_K" else 8)
+    assert bq.shape == (rows, supers * 256) and bq.group_size == group
     expected = gguf_dequant(raw, qtype)
     np.testing.assert_array_equal(bq.dequantize().numpy(), expected)
     rounded = round_scales_to_f16(bq).dequantize().numpy()
-    bound = (np.abs(bq.scale.numpy()) * 31 + np.abs(bq.offset.numpy())) * (2.0**-11 + 2.0**-22) + 32 * 2.0**-25
-    assert (np.abs(rounded - expected).reshape(rows, -1, 32) <= bound[..., None]).all()
+    largest = 2**bq.bits - 1
+    bound = (np.abs(bq.scale.numpy()) * largest + np.abs(bq.offset.numpy())) * (2.0**-11 + 2.0**-22) + group * 2.0**-25
+    assert (np.abs(rounded - expected).reshape(rows, -1, group) <= bound[..., None]).all()
+
+
+def test_group_16_codes_run_on_the_packed_kernel_as_stored():
+    """A Q6_K tensor packs with blocks of 16: the kernel's weights are the rounded codes', and its products
+    match them within the input quantization's bound."""
+    from kvflow.kernels import packed_matmul
+
+    if not packed_matmul.available():
+        pytest.skip("needs a C++ compiler (the packed kernel)")
+    rng = np.random.default_rng(5)
+    raw = rng.integers(0, 256, (40, 2, 210), dtype=np.uint8)
+    raw[..., 208:210] = rng.uniform(-0.01, 0.01, (40, 2, 1)).astype(np.float16).view(np.uint8)
+    bq = round_scales_to_f16(from_gguf(raw.reshape(40, -1), "Q6_K"))
+    pw = packed_matmul.pack(bq.q, bq.scale, bq.offset, bq.group_size, bq.bits)
+    assert pw.group == 16
+    torch.testing.assert_close(packed_matmul.dequantize(pw), bq.dequantize(), rtol=0, atol=0)
+    x = torch.randn(3, 512)
+    w = bq.dequantize().double()
+    error = (packed_matmul.matmul(x, pw).double() - x.double() @ w.T).abs()
+    # Half an input step per block of 16 (max|x| / 32639) times the block's sum of |w|, plus float32 sums.
+    steps = x.double().view(3, -1, 16).abs().amax(-1) / (2 * packed_matmul.INPUT_STEPS)  # [3, blocks]
+    bound = steps @ w.abs().view(40, -1, 16).sum(-1).T + 1e-6 * x.abs().double() @ w.abs().T
+    assert (error <= bound).all() and error.max() > 0
 
 
 def test_hand_built_q5_0_block_fifth_bits():
@@ -100,7 +130,9 @@ def test_concat_and_permute_rows_match_dequantized_ops():
 
 def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="no packed kernel"):
-        from_gguf(np.zeros((2, 210), np.uint8), "Q6_K")
+        from_gguf(np.zeros((2, 66), np.uint8), "IQ2_XXS")
+    with pytest.raises(ValueError, match="whole super-blocks"):
+        from_gguf(np.zeros((2, 209), np.uint8), "Q6_K")
     with pytest.raises(ValueError, match="whole blocks"):
         from_gguf(np.zeros((2, 35), np.uint8), "Q8_0")
     a = from_gguf(np.zeros((2, 34), np.uint8), "Q8_0")

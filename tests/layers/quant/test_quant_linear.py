@@ -16,6 +16,7 @@ import torch
 from kvflow.kernels import packed_matmul
 from kvflow.layers.quant import Int4Linear, Int8BlockLinear, PackedLinear, build_quant_linear, from_gguf
 from kvflow.layers.quant.factory import UnpackableCodes
+from kvflow.layers.quant.packing import round_scales_to_f16
 
 RTOL_Y = 1e-2
 RTOL_PACKED_KERNEL = 1e-4
@@ -122,29 +123,62 @@ def test_packed_size_is_what_we_promise(kernel):
     if kernel == "torch":
         assert q8.nbytes() == weights + weights // 32 * 8  # two nibble halves, each with scale and zero
     else:
-        assert q8.nbytes() == weights + weights // 32 * 4  # bytes + float16 scale and offset per group
+        assert q8.nbytes() == weights + weights // 32 * 2  # bytes + a float16 scale per group (offset -128 scale)
+        q4_0, _ = make_layer("Q4_0", n=256, k=512, kernel=kernel)
+        assert q4_0.nbytes() == weights // 2 + weights // 32 * 2  # the file's own 4.5 bits a weight
+
+
+# type: (block bytes, where its float16 d (and dmin) sit, blocks per row)
+RANDOM_BLOCK_TYPES = {"Q4_K": (144, slice(0, 4), 3), "Q5_K": (176, slice(0, 4), 3), "IQ4_NL": (18, slice(0, 2), 18),
+                      "Q6_K": (210, slice(208, 210), 3), "Q3_K": (110, slice(108, 110), 3),
+                      "Q2_K": (84, slice(80, 84), 3), "IQ4_XS": (136, slice(0, 2), 3)}
+
+
+def random_blocks(qtype: str, n: int, seed: int) -> np.ndarray:
+    """[n, bytes] of random blocks with finite float16 scales of about 0.01."""
+    size, halves, per_row = RANDOM_BLOCK_TYPES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n, per_row, size), dtype=np.uint8)
+    count = (halves.stop - halves.start) // 2
+    raw[..., halves] = rng.uniform(-0.01, 0.01, (n, per_row, count)).astype(np.float16).view(np.uint8)
+    return raw.reshape(n, -1)
 
 
 @needs_packed_kernel  # gguf_linear picks the packed kernel; without a compiler there is none to test
-@pytest.mark.parametrize(("qtype", "size"), [("Q4_K", 144), ("Q5_K", 176), ("IQ4_NL", 18)])
+@pytest.mark.parametrize("qtype", RANDOM_BLOCK_TYPES)
 @pytest.mark.parametrize("rows", [1, 9])
-def test_k_quants_and_iq4_nl_run_on_the_packed_kernel(qtype, size, rows):
+def test_k_quants_and_iq4_run_on_the_packed_kernel(qtype, rows):
     """Random blocks (gguf has no quantizer for these): the layer gguf_linear builds is packed, and its
     output matches the float product with its own weights (the K-quants' scales rounded to float16)
     within the kernel's bound."""
     from kvflow.layers.quant import gguf_linear
 
-    rng = np.random.default_rng(4)
-    per_row = 18 if qtype == "IQ4_NL" else 3  # blocks per row: 576 or 768 inputs
-    raw = rng.integers(0, 256, (64, per_row, size), dtype=np.uint8)
-    scale_bytes = 2 if qtype == "IQ4_NL" else 4
-    raw[..., :scale_bytes] = rng.uniform(-0.01, 0.01, (64, per_row, scale_bytes // 2)).astype(np.float16).view(np.uint8)
-    layer = gguf_linear([(raw.reshape(64, -1), qtype)])
+    layer = gguf_linear([(random_blocks(qtype, 64, 4), qtype)])
     assert isinstance(layer, PackedLinear)
+    assert layer.packed.group == (16 if qtype in ("Q6_K", "Q3_K", "Q2_K") else 32)
     w = layer.dequantize().float()
     x = torch.randn(rows, layer.in_features)
     y = layer(x)
     assert rel_err(y, x.double() @ w.double().t()) < RTOL_PACKED_KERNEL
+
+
+@needs_packed_kernel  # gguf_linear picks the packed kernel; without a compiler there is none to test
+def test_a_fused_layer_of_group_32_and_group_16_parts_keeps_each_parts_weights():
+    """Q4_K_M files put a Q6_K v beside a Q4_K q and k: one layer of 8-bit codes in blocks of 16 holds them,
+    with exactly the parts' (rounded) weights."""
+    from kvflow.layers.quant import gguf_linear
+
+    parts = [(random_blocks("Q4_K", 64, 6), "Q4_K"), (random_blocks("Q6_K", 32, 7), "Q6_K")]
+    layer = gguf_linear(parts)
+    assert isinstance(layer, PackedLinear) and (layer.packed.bits, layer.packed.group) == (8, 16)
+    alone = torch.cat([gguf_linear([part]).dequantize() for part in parts])
+    assert torch.equal(layer.dequantize(), alone)
+
+
+def test_blocks_of_16_are_refused_by_the_torch_kernels():
+    bq = from_gguf(random_blocks("Q6_K", 16, 8), "Q6_K")
+    with pytest.raises(UnpackableCodes, match="groups of 16"):
+        build_quant_linear(round_scales_to_f16(bq), kernel="torch")
 
 
 @needs_packed_kernel  # gguf_linear picks the packed kernel; without a compiler there is none to test

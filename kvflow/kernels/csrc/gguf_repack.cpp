@@ -1,0 +1,250 @@
+// GGUF block bytes straight into the packed matmul's layout (kvflow_cpu.h), one pass, no temporaries
+// beyond one row: what kvflow/layers/quant/packing.py decodes and kernels/packed_matmul.py packs, for
+// loading. Each type's row is decoded into unsigned codes with a float32 scale and offset per sub-block
+// (exactly as packing.py does), the scales rounded to float16 (nearest even, as torch's .half()), and
+// written into the layout; several tensors fuse along the output dim, each with an optional row order.
+// Tests hold the bytes equal to the Python path's for every type.
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "kvflow_cpu.h"
+#include "simd.h"
+#include "threads.h"
+
+namespace {
+
+// ggml's type ids (ggml.h), for the types the packed kernel holds.
+enum GgmlType : int32_t {
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13,
+  kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23,
+};
+
+constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+float half_at(const uint8_t* p) {
+  kvflow::float16 h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(h);
+}
+
+// The codes' centre c of a symmetric type (w = scale (q - c): offset = -c scale, not stored), else 0.
+int32_t centre_of(int32_t type) {
+  switch (type) {
+    case kQ8_0: case kQ5_0: case kIQ4_NL: case kIQ4_XS: return 128;
+    case kQ4_0: return 8;
+    case kQ6_K: return 32;
+    case kQ3_K: return 4;
+    default: return 0;
+  }
+}
+
+bool eight_bit_codes(int32_t type) {
+  return type == kQ8_0 || type == kQ5_0 || type == kQ5_1 || type == kIQ4_NL || type == kQ5_K || type == kQ6_K ||
+         type == kIQ4_XS;
+}
+
+// The type's elements and bytes per block, and inputs per scale; false for a type not held here.
+bool block_shape(int32_t type, int* elements, int* bytes, int* group) {
+  switch (type) {
+    case kQ8_0: *elements = 32; *bytes = 34; *group = 32; return true;
+    case kQ4_0: *elements = 32; *bytes = 18; *group = 32; return true;
+    case kQ4_1: *elements = 32; *bytes = 20; *group = 32; return true;
+    case kQ5_0: *elements = 32; *bytes = 22; *group = 32; return true;
+    case kQ5_1: *elements = 32; *bytes = 24; *group = 32; return true;
+    case kIQ4_NL: *elements = 32; *bytes = 18; *group = 32; return true;
+    case kQ4_K: *elements = 256; *bytes = 144; *group = 32; return true;
+    case kQ5_K: *elements = 256; *bytes = 176; *group = 32; return true;
+    case kQ6_K: *elements = 256; *bytes = 210; *group = 16; return true;
+    case kQ3_K: *elements = 256; *bytes = 110; *group = 16; return true;
+    case kQ2_K: *elements = 256; *bytes = 84; *group = 16; return true;
+    case kIQ4_XS: *elements = 256; *bytes = 136; *group = 32; return true;
+    default: return false;
+  }
+}
+
+// One block of a type: codes q[elements], and per sub-block scale[] and offset[] (w = scale q + offset).
+void decode_block(int32_t type, const uint8_t* b, uint8_t* q, float* scale, float* offset) {
+  switch (type) {
+    case kQ8_0: {
+      const float d = half_at(b);
+      for (int i = 0; i < 32; ++i) q[i] = static_cast<uint8_t>(static_cast<int8_t>(b[2 + i]) + 128);
+      scale[0] = d, offset[0] = -128.f * d;
+      return;
+    }
+    case kQ4_0:
+    case kQ4_1:
+    case kIQ4_NL: {
+      const uint8_t* qs = b + (type == kQ4_1 ? 4 : 2);
+      for (int i = 0; i < 16; ++i) q[i] = qs[i] & 15, q[i + 16] = qs[i] >> 4;
+      const float d = half_at(b);
+      scale[0] = d;
+      if (type == kQ4_1) offset[0] = half_at(b + 2);
+      if (type == kQ4_0) offset[0] = -8.f * d;
+      if (type == kIQ4_NL) {
+        for (int i = 0; i < 32; ++i) q[i] = static_cast<uint8_t>(kIq4Values[q[i]] + 128);
+        offset[0] = -128.f * d;
+      }
+      return;
+    }
+    case kQ5_0:
+    case kQ5_1: {
+      const int at = type == kQ5_1 ? 4 : 2;
+      uint32_t qh;
+      std::memcpy(&qh, b + at, 4);
+      const uint8_t* qs = b + at + 4;
+      for (int i = 0; i < 16; ++i) {
+        q[i] = static_cast<uint8_t>((qs[i] & 15) | (((qh >> i) & 1) << 4));
+        q[i + 16] = static_cast<uint8_t>((qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4));
+      }
+      const float d = half_at(b);
+      scale[0] = d;
+      if (type == kQ5_1) {
+        offset[0] = half_at(b + 2);
+      } else {  // d (q5 - 16) as Q8_0's centred codes: q5 + 112 - 128
+        for (int i = 0; i < 32; ++i) q[i] = static_cast<uint8_t>(q[i] + 112);
+        offset[0] = -128.f * d;
+      }
+      return;
+    }
+    case kQ4_K:
+    case kQ5_K: {
+      const float d = half_at(b), dmin = half_at(b + 2);
+      const uint8_t* sm = b + 4;
+      for (int j = 0; j < 8; ++j) {
+        const int sc = j < 4 ? sm[j] & 63 : (sm[j + 4] & 15) | ((sm[j - 4] >> 6) << 4);
+        const int m = j < 4 ? sm[j + 4] & 63 : (sm[j + 4] >> 4) | ((sm[j] >> 6) << 4);
+        scale[j] = d * static_cast<float>(sc), offset[j] = -(dmin * static_cast<float>(m));
+      }
+      const uint8_t* qs = b + (type == kQ5_K ? 48 : 16);
+      for (int p = 0; p < 4; ++p)  // 32 bytes per pair of sub-blocks: low nibbles 2p, high ones 2p + 1
+        for (int i = 0; i < 32; ++i) q[64 * p + i] = qs[32 * p + i] & 15, q[64 * p + 32 + i] = qs[32 * p + i] >> 4;
+      if (type == kQ5_K)  // bit j of high byte i: sub-block j's element i
+        for (int j = 0; j < 8; ++j)
+          for (int i = 0; i < 32; ++i) q[32 * j + i] |= static_cast<uint8_t>(((b[16 + i] >> j) & 1) << 4);
+      return;
+    }
+    case kQ6_K: {  // element 128 h + 64 nib + 32 w + l: nibble nib of ql[64 h + 32 w + l], pair 2 nib + w of qh[32 h + l]
+      const uint8_t *ql = b, *qh = b + 128;
+      for (int h = 0; h < 2; ++h)
+        for (int nib = 0; nib < 2; ++nib)
+          for (int w = 0; w < 2; ++w)
+            for (int l = 0; l < 32; ++l)
+              q[128 * h + 64 * nib + 32 * w + l] = static_cast<uint8_t>(
+                  ((ql[64 * h + 32 * w + l] >> (4 * nib)) & 15) | (((qh[32 * h + l] >> (2 * (2 * nib + w))) & 3) << 4));
+      const float d = half_at(b + 208);
+      for (int j = 0; j < 16; ++j) {
+        scale[j] = d * static_cast<float>(static_cast<int8_t>(b[192 + j]));
+        offset[j] = -32.f * scale[j];
+      }
+      return;
+    }
+    case kQ3_K:
+    case kQ2_K: {  // 2-bit codes: element 128 h + 32 j + l is bits 2 j of byte 32 h + l
+      const uint8_t* qs = b + (type == kQ3_K ? 32 : 16);
+      for (int h = 0; h < 2; ++h)
+        for (int j = 0; j < 4; ++j)
+          for (int l = 0; l < 32; ++l) q[128 * h + 32 * j + l] = (qs[32 * h + l] >> (2 * j)) & 3;
+      if (type == kQ2_K) {
+        const float d = half_at(b + 80), dmin = half_at(b + 82);
+        for (int s = 0; s < 16; ++s)
+          scale[s] = d * static_cast<float>(b[s] & 15), offset[s] = -(dmin * static_cast<float>(b[s] >> 4));
+        return;
+      }
+      for (int h = 0; h < 2; ++h)  // the high bit: bit 4 h + j of byte l
+        for (int j = 0; j < 4; ++j)
+          for (int l = 0; l < 32; ++l) q[128 * h + 32 * j + l] |= static_cast<uint8_t>(((b[l] >> (4 * h + j)) & 1) << 2);
+      const uint8_t* sc = b + 96;  // scale s: low 4 bits from byte s % 8 (high nibble from 8), top 2 from byte 8 + s % 4
+      const float d = half_at(b + 108);
+      for (int s = 0; s < 16; ++s) {
+        const int low = s < 8 ? sc[s] & 15 : sc[s - 8] >> 4;
+        const int top = (sc[8 + s % 4] >> (2 * (s / 4))) & 3;
+        scale[s] = d * static_cast<float>((low | (top << 4)) - 32);
+        offset[s] = -4.f * scale[s];
+      }
+      return;
+    }
+    case kIQ4_XS: {
+      const float d = half_at(b);
+      const int high = b[2] | (b[3] << 8);
+      for (int j = 0; j < 8; ++j) {
+        const int ls = ((b[4 + j / 2] >> (4 * (j % 2))) & 15) | (((high >> (2 * j)) & 3) << 4);
+        scale[j] = d * static_cast<float>(ls - 32), offset[j] = -128.f * scale[j];
+        const uint8_t* qs = b + 8 + 16 * j;
+        for (int i = 0; i < 16; ++i) {
+          q[32 * j + i] = static_cast<uint8_t>(kIq4Values[qs[i] & 15] + 128);
+          q[32 * j + 16 + i] = static_cast<uint8_t>(kIq4Values[qs[i] >> 4] + 128);
+        }
+      }
+      return;
+    }
+    default:
+      return;
+  }
+}
+
+bool to_half(float x, kvflow::float16* out) {  // nearest float16; false where it is not finite
+  *out = static_cast<kvflow::float16>(x);
+  return std::isfinite(static_cast<float>(*out));
+}
+
+}  // namespace
+
+extern "C" int32_t kvflow_pack_gguf(const KvflowGgufPart* parts, int32_t count, int64_t k, int32_t bits, int32_t block,
+                                    int32_t centre, uint8_t* out, int32_t num_threads) {
+  if (count <= 0 || (bits != 4 && bits != 8) || (block != 16 && block != 32) || k <= 0) return -1;
+  int64_t n = 0;
+  for (int32_t p = 0; p < count; ++p) {
+    int elements, bytes, group;
+    if (!block_shape(parts[p].type, &elements, &bytes, &group) || k % elements || group % block ||
+        parts[p].row_bytes != k / elements * bytes || (bits == 4 && eight_bit_codes(parts[p].type)) ||
+        parts[p].rows <= 0 || (centre && centre_of(parts[p].type) != centre))
+      return -1;
+    n += parts[p].rows;
+  }
+  const int64_t groups = (n + 15) / 16, blocks = k / block;
+  const size_t code_bytes = static_cast<size_t>(2 * block * bits), chunk = code_bytes + (centre ? 32 : 64);
+  std::atomic<int32_t> failed{0};
+  kvflow::parallel(num_threads, [&](kvflow::Team& team) {
+    std::vector<uint8_t> q(k);
+    std::vector<float> scale(k / 16), offset(k / 16);
+    team.for_dynamic(static_cast<int>(groups), [&](int g) {
+      uint8_t* base = out + static_cast<size_t>(g) * blocks * chunk;
+      std::memset(base, 0, blocks * chunk);  // columns past n: zero codes, scales and offsets
+      for (int c = 0; c < 16; ++c) {
+        int64_t row = g * 16 + c;
+        if (row >= n) break;
+        int32_t p = 0;
+        while (row >= parts[p].rows) row -= parts[p++].rows;
+        const KvflowGgufPart& part = parts[p];
+        const int64_t src = part.row_order ? part.row_order[row] : row;
+        int elements, bytes, group;
+        block_shape(part.type, &elements, &bytes, &group);
+        const uint8_t* in = part.data + src * part.row_bytes;
+        const int per_block = elements / group;
+        for (int64_t e = 0; e < k / elements; ++e)
+          decode_block(part.type, in + e * bytes, q.data() + e * elements, scale.data() + e * per_block,
+                       offset.data() + e * per_block);
+        for (int64_t b = 0; b < blocks; ++b) {
+          uint8_t* at = base + b * chunk;
+          const uint8_t* qb = q.data() + b * block;
+          for (int i = 0; i < block; ++i) {
+            if (bits == 4)
+              at[64 * (i / 8) + 4 * c + i % 4] |= (i % 8) < 4 ? qb[i] : static_cast<uint8_t>(qb[i] << 4);
+            else
+              at[64 * (i / 4) + 4 * c + i % 4] = qb[i];
+          }
+          kvflow::float16 s, o;
+          const int64_t sub = b * block / group;
+          if (!to_half(scale[sub], &s) || (!centre && !to_half(offset[sub], &o)))  // a centred offset is derived
+            failed.store(1, std::memory_order_relaxed);
+          std::memcpy(at + code_bytes + 2 * c, &s, 2);
+          if (!centre) std::memcpy(at + code_bytes + 32 + 2 * c, &o, 2);
+        }
+      }
+    });
+  });
+  return failed.load() ? -2 : 0;
+}

@@ -1,0 +1,104 @@
+"""The C++ GGUF packer (kernels/csrc/gguf_repack.cpp, what a load uses) against the checked Python path
+(packing.from_gguf, scales rounded to float16, packed_matmul.pack): the same bytes for every packed type,
+for fused tensors of mixed widths and groups, and for reordered rows."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from kvflow.kernels import packed_matmul
+from kvflow.layers.quant import concat_rows, from_gguf, gguf_linear, permute_rows, unpermute_rope_index
+from kvflow.layers.quant.packing import (
+    CENTRES,
+    GROUP_16_TYPES,
+    PACKED_BITS,
+    as_8_bit,
+    round_scales_to_f16,
+    with_group,
+)
+
+pytestmark = pytest.mark.skipif(not packed_matmul.available(), reason="needs a C++ compiler (the packed kernel)")
+
+# Where each type's float16 fields sit in its block: random bytes there could be inf or NaN.
+HALVES = {"Q8_0": slice(0, 2), "Q4_0": slice(0, 2), "Q4_1": slice(0, 4), "Q5_0": slice(0, 2), "Q5_1": slice(0, 4),
+          "IQ4_NL": slice(0, 2), "Q4_K": slice(0, 4), "Q5_K": slice(0, 4), "Q6_K": slice(208, 210),
+          "Q3_K": slice(108, 110), "Q2_K": slice(80, 84), "IQ4_XS": slice(0, 2)}
+
+
+def random_tensor(qtype: str, rows: int, k: int, seed: int) -> np.ndarray:
+    elements, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, k // elements, size), dtype=np.uint8)
+    halves = HALVES[qtype]
+    count = (halves.stop - halves.start) // 2
+    raw[..., halves] = rng.uniform(-0.05, 0.05, (rows, k // elements, count)).astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def python_path(parts, orders) -> packed_matmul.PackedWeight:
+    codes = []
+    for (raw, qtype), order in zip(parts, orders):
+        bq = round_scales_to_f16(from_gguf(raw, qtype))
+        codes.append(bq if order is None else permute_rows(bq, order))
+    if len({bq.bits for bq in codes}) > 1:
+        codes = [as_8_bit(bq) for bq in codes]
+    smallest = min(bq.group_size for bq in codes)
+    bq = concat_rows([with_group(c, smallest) for c in codes])
+    return packed_matmul.pack(bq.q, bq.scale, bq.offset, bq.group_size, bq.bits, bq.centre)
+
+
+def cpp_path(parts, orders) -> packed_matmul.PackedWeight:
+    bits = max(PACKED_BITS[q] for _, q in parts)
+    group = 16 if any(q in GROUP_16_TYPES for _, q in parts) else 32
+    centres = {CENTRES.get(q, 0) for _, q in parts}
+    pw = packed_matmul.pack_gguf([(raw, gguf.GGMLQuantizationType[q].value, order)
+                                  for (raw, q), order in zip(parts, orders)], bits, group,
+                                 centres.pop() if len(centres) == 1 else 0)
+    assert pw is not None
+    return pw
+
+
+@pytest.mark.parametrize("qtype", PACKED_BITS)
+def test_each_type_packs_to_the_python_paths_bytes(qtype):
+    parts = [(random_tensor(qtype, 40, 512, 1), qtype)]  # 40 rows: a partial last group of 16
+    want, got = python_path(parts, [None]), cpp_path(parts, [None])
+    assert (got.bits, got.group, got.has_offset, got.centre) == (want.bits, want.group, want.has_offset, want.centre)
+    assert got.centre == CENTRES.get(qtype, 0)  # symmetric types store no offsets
+    assert torch.equal(got.data, want.data)
+
+
+def test_fused_symmetric_parts_of_one_centre_store_no_offsets():
+    parts = [(random_tensor("Q8_0", 32, 256, 8), "Q8_0"), (random_tensor("Q5_0", 16, 256, 9), "Q5_0")]
+    want, got = python_path(parts, [None, None]), cpp_path(parts, [None, None])
+    assert (got.centre, got.has_offset) == (128, False)
+    assert torch.equal(got.data, want.data)
+    x = torch.randn(3, 256)
+    assert torch.equal(packed_matmul.matmul(x, got), packed_matmul.matmul(x, want))
+
+
+def test_fused_parts_of_mixed_widths_groups_and_row_orders():
+    """q in Q4_K (rope-permuted rows), k in Q5_0, v in Q6_K: as a Q4_K_M file's attention can be."""
+    parts = [(random_tensor("Q4_K", 64, 512, 2), "Q4_K"), (random_tensor("Q5_0", 32, 512, 3), "Q5_0"),
+             (random_tensor("Q6_K", 32, 512, 4), "Q6_K")]
+    orders = [unpermute_rope_index(64, 4), unpermute_rope_index(32, 2), None]
+    want, got = python_path(parts, orders), cpp_path(parts, orders)
+    assert (got.bits, got.group) == (8, 16)
+    assert torch.equal(got.data, want.data)
+    layer = gguf_linear(parts, row_orders=orders)
+    assert torch.equal(layer.packed.data, want.data)
+
+
+def test_a_scale_beyond_float16_and_a_size_that_disagrees_are_refused():
+    raw = random_tensor("Q8_0", 16, 64, 5)
+    raw[0, 0:2] = np.array([60000.0], dtype=np.float16).view(np.uint8)  # offset -128 d overflows float16
+    assert packed_matmul.pack_gguf([(raw, gguf.GGMLQuantizationType.Q8_0.value, None)], 8, 32) is None
+    centred = packed_matmul.pack_gguf([(raw, gguf.GGMLQuantizationType.Q8_0.value, None)], 8, 32, centre=128)
+    assert centred is not None  # no stored offset to overflow: the kernel derives -128 d in float32
+    short = random_tensor("Q4_0", 16, 64, 6)[:, :-1]
+    assert packed_matmul.pack_gguf([(short, gguf.GGMLQuantizationType.Q4_0.value, None)], 4, 32) is None
+    eight = random_tensor("Q8_0", 16, 64, 7)
+    assert packed_matmul.pack_gguf([(eight, gguf.GGMLQuantizationType.Q8_0.value, None)], 4, 32) is None
+    assert packed_matmul.pack_gguf([(eight, gguf.GGMLQuantizationType.Q8_0.value, None)], 8, 32, centre=8) is None
