@@ -4,6 +4,7 @@
 // (exactly as packing.py does), the scales rounded to float16 (nearest even, as torch's .half()), and
 // written into the layout; several tensors fuse along the output dim, each with an optional row order.
 // Tests hold the bytes equal to the Python path's for every type.
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -208,40 +209,52 @@ extern "C" int32_t kvflow_pack_gguf(const KvflowGgufPart* parts, int32_t count, 
   const size_t code_bytes = static_cast<size_t>(2 * block * bits), chunk = code_bytes + (centre ? 32 : 64);
   std::atomic<int32_t> failed{0};
   kvflow::parallel(num_threads, [&](kvflow::Team& team) {
-    std::vector<uint8_t> q(k);
-    std::vector<float> scale(k / 16), offset(k / 16);
+    // A group's 16 rows decoded side by side, then its chunks written in order, once each.
+    std::vector<uint8_t> q(16 * k);
+    std::vector<float> scale(k), offset(k);  // per column, k / 16 sub-blocks at most
+    std::vector<uint8_t> wide(64 * 8);        // one block of 32 as 8-bit code rows, for 4-bit weights
+    int groups_of[16];
     team.for_dynamic(static_cast<int>(groups), [&](int g) {
-      uint8_t* base = out + static_cast<size_t>(g) * blocks * chunk;
-      std::memset(base, 0, blocks * chunk);  // columns past n: zero codes, scales and offsets
       for (int c = 0; c < 16; ++c) {
+        uint8_t* qc = q.data() + c * k;
+        float *sc = scale.data() + c * (k / 16), *oc = offset.data() + c * (k / 16);
         int64_t row = g * 16 + c;
-        if (row >= n) break;
+        if (row >= n) {  // columns past n: zero codes, scales and offsets
+          std::memset(qc, 0, k);
+          std::fill(sc, sc + k / 16, 0.f), std::fill(oc, oc + k / 16, 0.f);
+          groups_of[c] = 16;
+          continue;
+        }
         int32_t p = 0;
         while (row >= parts[p].rows) row -= parts[p++].rows;
         const KvflowGgufPart& part = parts[p];
         const int64_t src = part.row_order ? part.row_order[row] : row;
-        int elements, bytes, group;
-        block_shape(part.type, &elements, &bytes, &group);
+        int elements, bytes;
+        block_shape(part.type, &elements, &bytes, &groups_of[c]);
         const uint8_t* in = part.data + src * part.row_bytes;
-        const int per_block = elements / group;
+        const int per_block = elements / groups_of[c];
         for (int64_t e = 0; e < k / elements; ++e)
-          decode_block(part.type, in + e * bytes, q.data() + e * elements, scale.data() + e * per_block,
-                       offset.data() + e * per_block);
-        for (int64_t b = 0; b < blocks; ++b) {
-          uint8_t* at = base + b * chunk;
-          const uint8_t* qb = q.data() + b * block;
-          for (int i = 0; i < block; ++i) {
-            if (bits == 4)
-              at[64 * (i / 8) + 4 * c + i % 4] |= (i % 8) < 4 ? qb[i] : static_cast<uint8_t>(qb[i] << 4);
-            else
-              at[64 * (i / 4) + 4 * c + i % 4] = qb[i];
-          }
-          kvflow::float16 s, o;
-          const int64_t sub = b * block / group;
-          if (!to_half(scale[sub], &s) || (!centre && !to_half(offset[sub], &o)))  // a centred offset is derived
+          decode_block(part.type, in + e * bytes, qc + e * elements, sc + e * per_block, oc + e * per_block);
+      }
+      uint8_t* at = out + static_cast<size_t>(g) * blocks * chunk;
+      for (int64_t b = 0; b < blocks; ++b, at += chunk) {
+        const int64_t i0 = b * block;
+        // The block as 8-bit code rows first (row r: inputs 4 r + t, 4 bytes a column); 4-bit rows are then
+        // pairs of them, row 2 r in the low nibbles and 2 r + 1 in the high ones: 64-byte loops that vectorize.
+        uint8_t* rows8 = bits == 8 ? at : wide.data();
+        for (int r = 0; r < block / 4; ++r)
+          for (int j = 0; j < 16; ++j) std::memcpy(rows8 + 64 * r + 4 * j, q.data() + j * k + i0 + 4 * r, 4);
+        if (bits == 4)
+          for (int r = 0; r < block / 8; ++r)
+            for (int x = 0; x < 64; ++x)
+              at[64 * r + x] = static_cast<uint8_t>(rows8[128 * r + x] | (rows8[128 * r + 64 + x] << 4));
+        for (int j = 0; j < 16; ++j) {
+          const int64_t sub = j * (k / 16) + (groups_of[j] == 16 ? i0 >> 4 : i0 >> 5);
+          kvflow::float16 sh, oh;
+          if (!to_half(scale[sub], &sh) || (!centre && !to_half(offset[sub], &oh)))  // a centred offset is derived
             failed.store(1, std::memory_order_relaxed);
-          std::memcpy(at + code_bytes + 2 * c, &s, 2);
-          if (!centre) std::memcpy(at + code_bytes + 32 + 2 * c, &o, 2);
+          std::memcpy(at + code_bytes + 2 * j, &sh, 2);
+          if (!centre) std::memcpy(at + code_bytes + 32 + 2 * j, &oh, 2);
         }
       }
     });
