@@ -93,8 +93,8 @@ del llm
 # A small lead is where rounding decides the answer.
 exact = LLM(sys.argv[1], threads=2, max_model_len=1024, mode="exact", quantization="none")
 ref = exact.chat(messages, SamplingParams(temperature=0, max_tokens=12, logprobs=2))[0].outputs[0]
-leads = [(lambda top: top[0] - top[1])(sorted((lp.logprob for lp in step.values()), reverse=True))
-         for step in ref.logprobs]
+tops = [sorted((lp.logprob for lp in step.values()), reverse=True) for step in ref.logprobs]
+leads = [top[0] - top[1] for top in tops]
 at = min(range(len(leads)), key=leads.__getitem__)
 print(json.dumps([out[0].outputs[0].text.strip(), load, ref.text.strip(), leads[at], at + 1]))
 """

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "kvflow_cpu.h"
+#include "packed_common.h"
 #include "simd.h"
 #include "threads.h"
 
@@ -195,7 +196,7 @@ bool to_half(float x, kvflow::float16* out) {  // nearest float16; false where i
 
 extern "C" int32_t kvflow_pack_gguf(const KvflowGgufPart* parts, int32_t count, int64_t k, int32_t bits, int32_t block,
                                     int32_t centre, uint8_t* out, int32_t num_threads) {
-  if (count <= 0 || (bits != 4 && bits != 8) || (block != 16 && block != 32) || k <= 0) return -1;
+  if (count <= 0 || (bits != 4 && bits != 8) || !kvflow::packed::valid_block(block) || k <= 0) return -1;
   int64_t n = 0;
   for (int32_t p = 0; p < count; ++p) {
     int elements, bytes, group;
@@ -206,7 +207,7 @@ extern "C" int32_t kvflow_pack_gguf(const KvflowGgufPart* parts, int32_t count, 
     n += parts[p].rows;
   }
   const int64_t groups = (n + 15) / 16, blocks = k / block;
-  const size_t code_bytes = static_cast<size_t>(2 * block * bits), chunk = code_bytes + (centre ? 32 : 64);
+  const size_t code_bytes = kvflow::packed::code_bytes(block, bits), chunk = code_bytes + (centre ? 32 : 64);
   std::atomic<int32_t> failed{0};
   kvflow::parallel(num_threads, [&](kvflow::Team& team) {
     // A group's 16 rows decoded side by side, then its chunks written in order, once each.

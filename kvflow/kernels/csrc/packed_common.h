@@ -39,11 +39,22 @@ struct Rows {  // the rows' inputs as digits h, l (int8 [m, k]; lo null for 8-bi
   }
 };
 
-inline size_t code_bytes(const KvflowPackedWeight& w) { return static_cast<size_t>(2 * w.block * w.bits); }
+inline size_t code_bytes(int block, int bits) { return static_cast<size_t>(2 * block * bits); }  // 16 columns
+
+inline size_t code_bytes(const KvflowPackedWeight& w) { return code_bytes(w.block, w.bits); }
 
 inline size_t chunk_bytes(const KvflowPackedWeight& w) { return code_bytes(w) + (w.has_offset ? 64 : 32); }
 
 inline bool valid_block(int32_t block) { return block == kBlock || block == kSmallBlock; }
+
+// The code of input `input` of column `column` in one block's bytes (the layout in kvflow_cpu.h).
+inline int code_at(const uint8_t* block, int bits, int column, int input) {
+  if (bits == 4) {
+    const uint8_t byte = block[64 * (input / 8) + 4 * column + input % 4];
+    return (input % 8) < 4 ? (byte & 0x0f) : (byte >> 4);
+  }
+  return block[64 * (input / 4) + 4 * column + input % 4];
+}
 
 inline float block_amax(const float* xb, int block) {  // the block's largest |x|
   float amax = 0.f;

@@ -5,29 +5,19 @@
 #include <cstring>
 
 #include "kvflow_cpu.h"
+#include "packed_common.h"
 #include "row_ops.h"
 #include "simd.h"
 
 namespace {
 
-constexpr float kMaxIntValue = 32639.f;  // kMaxInt, also where the VNNI code is not built
+using kvflow::packed::chunk_bytes;
+using kvflow::packed::code_at;
 
 // Column j of a packed weight times x, from the stored codes, summed in double: the exact product.
-// The layout's sizes (kvflow_cpu.h): codes, then 16 scales, then 16 offsets where there are offsets.
-size_t code_bytes(const KvflowPackedWeight& w) { return static_cast<size_t>(2 * w.block * w.bits); }
-size_t chunk_bytes(const KvflowPackedWeight& w) { return code_bytes(w) + (w.has_offset ? 64 : 32); }
-
-int code_at(const KvflowPackedWeight& w, const uint8_t* at, int c, int k) {  // input k of column c in a block
-  if (w.bits == 4) {
-    const uint8_t byte = at[64 * (k / 8) + 4 * c + k % 4];
-    return (k % 8) < 4 ? (byte & 0x0f) : (byte >> 4);
-  }
-  return at[64 * (k / 4) + 4 * c + k % 4];
-}
-
 double exact_column(const KvflowPackedWeight& w, int64_t j, const float* x) {
   const int64_t nb = w.k / w.block;
-  const size_t chunk = chunk_bytes(w), code_bytes = ::code_bytes(w);
+  const size_t chunk = chunk_bytes(w), code_bytes = kvflow::packed::code_bytes(w);
   const int c = static_cast<int>(j % 16);
   const uint8_t* group = w.data + static_cast<size_t>(j / 16) * nb * chunk;
   double total = 0.0;
@@ -41,7 +31,7 @@ double exact_column(const KvflowPackedWeight& w, int64_t j, const float* x) {
     const float* xb = x + b * w.block;
     double dot = 0.0, sum = 0.0;
     for (int k = 0; k < w.block; ++k) {
-      dot += static_cast<double>(code_at(w, at, c, k)) * xb[k];
+      dot += static_cast<double>(code_at(at, w.bits, c, k)) * xb[k];
       sum += xb[k];
     }
     total += scale * dot + offset * sum;
@@ -54,7 +44,7 @@ double exact_column(const KvflowPackedWeight& w, int64_t j, const float* x) {
 extern "C" int32_t kvflow_packed_refine_top(const KvflowPackedWeight* w, const float* x, int64_t x_stride, int32_t m,
                                             float* y, int64_t y_stride, const float* block_abs_sum,
                                             int32_t input_bits) {
-  const float max_int = input_bits == 8 ? 127.f : kMaxIntValue;
+  const float max_int = static_cast<float>(input_bits == 8 ? kvflow::packed::kMaxInt8 : kvflow::packed::kMaxInt);
   const int block = w->block;
   const int64_t nb = w->k / block;
   float w_max = 0.f;
@@ -99,7 +89,7 @@ extern "C" int32_t kvflow_packed_refine_top(const KvflowPackedWeight* w, const f
 
 extern "C" void kvflow_packed_rows(const KvflowPackedWeight* w, const int64_t* ids, int32_t count, float* out) {
   const int64_t nb = w->k / w->block;
-  const size_t chunk = chunk_bytes(*w), code_bytes = ::code_bytes(*w);
+  const size_t chunk = chunk_bytes(*w), code_bytes = kvflow::packed::code_bytes(*w);
   for (int i = 0; i < count; ++i) {
     const int c = static_cast<int>(ids[i] % 16);
     const uint8_t* group = w->data + static_cast<size_t>(ids[i] / 16) * nb * chunk;
@@ -112,7 +102,7 @@ extern "C" void kvflow_packed_rows(const KvflowPackedWeight* w, const int64_t* i
       const float scale = static_cast<float>(scale16);
       const float offset = w->has_offset ? static_cast<float>(offset16) : scale * -static_cast<float>(w->centre);
       for (int k = 0; k < w->block; ++k)  // scale * q is exact: one rounding
-        row[b * w->block + k] = static_cast<float>(code_at(*w, at, c, k)) * scale + offset;
+        row[b * w->block + k] = static_cast<float>(code_at(at, w->bits, c, k)) * scale + offset;
     }
   }
 }

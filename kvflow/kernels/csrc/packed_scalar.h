@@ -11,14 +11,6 @@ namespace kvflow::packed {
 
 namespace scalar {
 
-inline int code_at(const uint8_t* block, int bits, int column, int input) {  // the layout in kvflow_cpu.h
-  if (bits == 4) {
-    const uint8_t byte = block[64 * (input / 8) + 4 * column + input % 4];
-    return (input % 8) < 4 ? (byte & 0x0f) : (byte >> 4);
-  }
-  return block[64 * (input / 4) + 4 * column + input % 4];
-}
-
 inline float half_at(const uint8_t* p) {
   kvflow::float16 h;
   __builtin_memcpy(&h, p, 2);

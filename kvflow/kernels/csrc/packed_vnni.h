@@ -12,19 +12,26 @@ namespace kvflow::packed {
 
 namespace vnni {
 
-// quantize_row_scalar (packed_common.h), a block of Block (16 or 32) inputs at a time.
+// One block's Block (16 or 32) inputs into v, and their largest magnitude.
+template <int Block>
+float load_block(const float* xb, __m512 v[Block / 16]) {
+  const __m512 sign_off = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  __m512 m = _mm512_setzero_ps();
+  for (int i = 0; i < Block / 16; ++i) {
+    v[i] = _mm512_loadu_ps(xb + 16 * i);
+    m = _mm512_max_ps(m, _mm512_and_ps(v[i], sign_off));
+  }
+  return _mm512_reduce_max_ps(m);
+}
+
+// quantize_row_scalar (packed_common.h), a block at a time.
 template <int Block>
 void quantize_row(const float* x, int64_t k, int8_t* hi, int8_t* lo, float* scale, float* sum) {
   constexpr int V = Block / 16;
-  const __m512 sign_off = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   const __m512i lim = _mm512_set1_epi32(kMaxInt), neg = _mm512_set1_epi32(-kMaxInt), c128 = _mm512_set1_epi32(128);
   for (int64_t b = 0; b < k / Block; ++b) {
-    __m512 v[V], m = _mm512_setzero_ps();
-    for (int i = 0; i < V; ++i) {
-      v[i] = _mm512_loadu_ps(x + b * Block + 16 * i);
-      m = _mm512_max_ps(m, _mm512_and_ps(v[i], sign_off));
-    }
-    const float amax = _mm512_reduce_max_ps(m);
+    __m512 v[V];
+    const float amax = load_block<Block>(x + b * Block, v);
     const float s = amax / kMaxInt;
     const __m512 inv = _mm512_set1_ps(amax > 0.f ? kMaxInt / amax : 0.f);
     __m512i total = _mm512_setzero_si512();
@@ -52,15 +59,10 @@ inline __m512i broadcast4(const int8_t* p) {  // four input digits, in every 32-
 template <int Block>
 void quantize_row8(const float* x, int64_t k, int8_t* digits, float* scale, float* sum) {
   constexpr int V = Block / 16;
-  const __m512 sign_off = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   const __m512i lim = _mm512_set1_epi32(kMaxInt8), neg = _mm512_set1_epi32(-kMaxInt8);
   for (int64_t b = 0; b < k / Block; ++b) {
-    __m512 v[V], m = _mm512_setzero_ps();
-    for (int i = 0; i < V; ++i) {
-      v[i] = _mm512_loadu_ps(x + b * Block + 16 * i);
-      m = _mm512_max_ps(m, _mm512_and_ps(v[i], sign_off));
-    }
-    const float amax = _mm512_reduce_max_ps(m);
+    __m512 v[V];
+    const float amax = load_block<Block>(x + b * Block, v);
     const float s = amax / kMaxInt8;
     const __m512 inv = _mm512_set1_ps(amax > 0.f ? kMaxInt8 / amax : 0.f);
     __m512i total = _mm512_setzero_si512();

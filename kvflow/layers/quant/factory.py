@@ -15,14 +15,12 @@ from kvflow.layers.quant.int8_block_linear import Int8BlockLinear
 from kvflow.layers.quant.int8_linear import Int8Linear
 from kvflow.layers.quant.packed_linear import PackedLinear
 from kvflow.layers.quant.packing import (
-    CENTRES,
-    GROUP_16_TYPES,
-    PACKED_BITS,
     ROUNDED_SCALE_TYPES,
     BlockQuant,
     as_8_bit,
     concat_rows,
     from_gguf,
+    packed_form,
     permute_rows,
     round_scales_to_f16,
     with_group,
@@ -79,10 +77,7 @@ def gguf_linear(
     parts of different group sizes with the smallest one's (each scale repeated).
     """
     if packed_matmul.available():  # straight from the file's bytes, in C++; the same layer as below
-        bits = max(PACKED_BITS[qtype] for _, qtype in parts)
-        group = 16 if any(qtype in GROUP_16_TYPES for _, qtype in parts) else 32
-        centres = {CENTRES.get(qtype, 0) for _, qtype in parts}
-        centre = centres.pop() if len(centres) == 1 else 0
+        bits, group, centre = packed_form([qtype for _, qtype in parts])
         pw = packed_matmul.pack_gguf(
             [(raw, gguf.GGMLQuantizationType[qtype].value, row_orders[i] if row_orders is not None else None)
              for i, (raw, qtype) in enumerate(parts)], bits, group, centre)

@@ -196,6 +196,14 @@ def _k_scales_and_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return sc, m
 
 
+def packed_form(qtypes: list[str]) -> tuple[int, int, int]:
+    """(bits, group, centre) of one packed layer fused from tensors of these types: 8-bit codes if any part
+    has them, blocks of 16 if any part's scales cover 16, and the parts' common centre (or 0)."""
+    centres = {CENTRES.get(q, 0) for q in qtypes}
+    return (max(PACKED_BITS[q] for q in qtypes), 16 if any(q in GROUP_16_TYPES for q in qtypes) else 32,
+            centres.pop() if len(centres) == 1 else 0)
+
+
 def as_8_bit(bq: BlockQuant) -> BlockQuant:
     """The same weights as 8-bit codes (4-bit codes 0..15 are 8-bit ones), to fuse with 8-bit parts."""
     return BlockQuant(bq.q, bq.scale, bq.offset, bq.group_size, 8, bq.centre)
