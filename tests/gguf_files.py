@@ -48,7 +48,7 @@ def requantize(src: Path, dst: Path, pick: Callable[[str], str | None]) -> Path:
         sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
     for t in reader.tensors:
-        target = pick(t.name) if len(t.shape) == 2 else None
+        target = pick(t.name) if len(t.shape) in (2, 3) else None  # 3-D: stacked MoE experts
         if target is None or target == t.tensor_type.name:
             writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
             continue

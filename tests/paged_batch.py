@@ -25,13 +25,13 @@ class PagedBatch:
     seq_lens_cpu: list[int]
     query_lens_cpu: list[int]
 
-    def reference_output(self, scale: float) -> torch.Tensor:
+    def reference_output(self, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         """write_kv + paged_attention on copies of the caches, in float32."""
         k_cache, v_cache = self.k_cache.float().clone(), self.v_cache.float().clone()
         reference.write_kv(self.k.float(), self.v.float(), k_cache, v_cache, self.slot_mapping)
         starts = self.query_start_loc.tolist()
         return reference.paged_attention(
-            self.q.float(), k_cache, v_cache, self.block_tables, self.seq_lens_cpu, starts, scale
+            self.q.float(), k_cache, v_cache, self.block_tables, self.seq_lens_cpu, starts, scale, window, softcap
         )
 
 

@@ -29,6 +29,26 @@ TINY_ARCHS = {
     "mistral": ("MistralConfig", dict(sliding_window=None, rope_theta=1000000.0, tie_word_embeddings=False)),
     "qwen2": ("Qwen2Config", dict(rope_theta=1000000.0, tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(head_dim=32, rope_theta=1000000.0, tie_word_embeddings=True)),
+    # Phi-4-mini's shape of rotary: a quarter of each head passes through unrotated.
+    "phi3": ("Phi3Config", dict(partial_rotary_factor=0.75, pad_token_id=0, tie_word_embeddings=False)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)),
+    # Layer 1 keeps a dense MLP (mlp_only_layers), as some Qwen MoE configs do.
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                         norm_topk_prob=True, mlp_only_layers=[1], head_dim=16,
+                                         tie_word_embeddings=True)),
+    # Sliding windows short enough that the parity prompts (up to 130 tokens) cross them; caps low enough
+    # that they bind on random weights.
+    # Gemma 2's query scale from query_pre_attn_scalar, not head_dim (as in the 27B model).
+    "gemma2": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=24,
+                                    attn_logit_softcapping=5.0, final_logit_softcapping=3.0, pad_token_id=0)),
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=32, query_pre_attn_scalar=32, sliding_window=20,
+                                        num_hidden_layers=3, layer_types=["sliding_attention", "sliding_attention",
+                                                                          "full_attention"],
+                                        rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                                               "rope_theta": 10000.0},
+                                                         "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                            "rope_theta": 1000000.0}},
+                                        pad_token_id=0)),
 }
 
 
@@ -55,11 +75,11 @@ def tiny_tokenizer(folder: Path) -> None:
     fast.save_pretrained(folder)
 
 
-def make_tiny_checkpoint(name: str, folder: Path, seed: int = 0) -> Path:
+def make_tiny_checkpoint(name: str, folder: Path, seed: int = 0, **overrides) -> Path:
     import transformers
 
     cls_name, extra = TINY_ARCHS[name]
-    fields = {**COMMON, **extra}
+    fields = {**COMMON, **extra, **overrides}
     config = getattr(transformers, cls_name)(**fields)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32)

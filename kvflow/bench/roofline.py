@@ -37,11 +37,19 @@ class ModelShape:
     head_dim: int
     vocab_size: int
     tied_embeddings: bool
+    # A mixture of experts: moe_layers of the layers hold num_experts MLPs of expert_intermediate_size,
+    # of which each token runs experts_per_token (decode at batch 1 reads only those).
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    moe_layers: int = 0
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any]) -> ModelShape:
         """Build from a Hugging Face ``config.json`` dict (Llama/Qwen/Mistral key names)."""
         heads = config["num_attention_heads"]
+        experts = config.get("num_local_experts") or config.get("num_experts") or 0
+        layers = config["num_hidden_layers"]
         return cls(
             num_layers=config["num_hidden_layers"],
             hidden_size=config["hidden_size"],
@@ -51,6 +59,10 @@ class ModelShape:
             head_dim=config.get("head_dim") or config["hidden_size"] // heads,
             vocab_size=config["vocab_size"],
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+            num_experts=experts,
+            experts_per_token=config.get("num_experts_per_tok") or 0 if experts else 0,
+            expert_intermediate_size=(config.get("moe_intermediate_size") or config["intermediate_size"]) if experts else 0,
+            moe_layers=layers - len(set(config.get("mlp_only_layers") or ())) if experts else 0,
         )
 
     # --- parameter counts -------------------------------------------------------------------
@@ -64,10 +76,21 @@ class ModelShape:
     def mlp_params_per_layer(self) -> int:
         return 3 * self.hidden_size * self.intermediate_size  # gate, up, down
 
+    def _mlp_params(self, experts: int) -> int:
+        """All layers' MLP weights, counting `experts` experts (and the router) in each MoE layer."""
+        dense = (self.num_layers - self.moe_layers) * self.mlp_params_per_layer
+        per_expert = 3 * self.hidden_size * self.expert_intermediate_size
+        return dense + self.moe_layers * (experts * per_expert + self.num_experts * self.hidden_size)
+
     @property
     def layer_matmul_params(self) -> int:
-        """Weights of all linear layers inside the decoder layers."""
-        return self.num_layers * (self.attention_params_per_layer + self.mlp_params_per_layer)
+        """Weights of all linear layers inside the decoder layers (every expert)."""
+        return self.num_layers * self.attention_params_per_layer + self._mlp_params(self.num_experts)
+
+    @property
+    def active_layer_matmul_params(self) -> int:
+        """The layer weights one token multiplies by: only its routed experts in a MoE layer."""
+        return self.num_layers * self.attention_params_per_layer + self._mlp_params(self.experts_per_token)
 
     @property
     def embedding_params(self) -> int:
@@ -88,8 +111,9 @@ class ModelShape:
 
     @property
     def matmul_params(self) -> int:
-        """Parameters taking part in a matmul per token: the layers plus the output projection."""
-        return self.layer_matmul_params + self.vocab_size * self.hidden_size
+        """Parameters taking part in a matmul per token: the layers (routed experts only) plus the output
+        projection."""
+        return self.active_layer_matmul_params + self.vocab_size * self.hidden_size
 
     # --- bytes ------------------------------------------------------------------------------
     def group_params(self) -> dict[str, int]:
@@ -106,11 +130,11 @@ class ModelShape:
         return sum(self.group_params()[g] * b for g, b in _per_group(bytes_per_param).items())
 
     def decode_weight_bytes(self, bytes_per_param: float | Mapping[str, float]) -> float:
-        """Weight bytes read in one decode step: every matmul weight and norm once.  An untied
-        embedding table is only indexed (a few rows), so it is left out; a tied one is read whole as
-        the output projection."""
+        """Weight bytes read in one decode step of one sequence: every matmul weight and norm once (of a
+        MoE layer, the token's experts only).  An untied embedding table is only indexed (a few rows), so
+        it is left out; a tied one is read whole as the output projection."""
         per = _per_group(bytes_per_param)
-        groups = self.group_params()
+        groups = {**self.group_params(), "layers": self.active_layer_matmul_params}
         if not self.tied_embeddings:
             groups["embedding"] = 0
         return sum(groups[g] * per[g] for g in GROUPS)
@@ -134,7 +158,7 @@ class ModelShape:
         attention = 4 * self.num_layers * self.num_heads * self.head_dim * context_sum
         lm_head_rows = n_prompt if all_logits else 1
         return (
-            2 * self.layer_matmul_params * n_prompt
+            2 * self.active_layer_matmul_params * n_prompt
             + 2 * self.vocab_size * self.hidden_size * lm_head_rows
             + attention
         )

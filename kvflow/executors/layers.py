@@ -15,12 +15,13 @@ from kvflow.layers.attention.sdpa import SDPABackend
 from kvflow.layers.attention.triton_backend import TritonBackend, triton_available
 
 
-def choose_backend(device: torch.device, name: str = "auto", exact: bool = False):
+def choose_backend(device: torch.device, name: str = "auto", exact: bool = False, windowed: bool = False):
     """The attention backend: Triton on CUDA, SDPA with the C++ paged kernel on CPU (every query row
-    through the kernel in the exact mode), or one named ("reference", "sdpa", "triton")."""
+    through the kernel in the exact mode), or one named ("reference", "sdpa", "triton"). windowed: the
+    model has sliding-window or soft-capped layers, which the Triton kernels do not take."""
     backends = {"reference": ReferenceBackend, "sdpa": SDPABackend, "triton": TritonBackend}
     if name == "auto":
-        name = "triton" if device.type == "cuda" and triton_available() else "sdpa"
+        name = "triton" if device.type == "cuda" and triton_available() and not windowed else "sdpa"
     if name not in backends:
         raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(backends)}")
     # Prefill attention stays float32 even in the fast mode: bf16 moved SmolLM2's answer to "What is the
@@ -33,7 +34,9 @@ class LayersExecutor:
         self.model = loaded.model
         self.vocab_size = loaded.arch.vocab_size
         self.kv_caches = kv_caches
-        self.backend = choose_backend(loaded.device, attention_backend, exact=loaded.plan.batch_invariant)
+        windowed = any(layer.window or layer.softcap for layer in self.model.attention_layers)
+        self.backend = choose_backend(loaded.device, attention_backend, exact=loaded.plan.batch_invariant,
+                                      windowed=windowed)
         self.hidden_states: Callable = loaded.compiled or self.model.hidden_states
         self.bind()
 

@@ -96,7 +96,8 @@ def prepare_model(loaded: LoadedModel) -> None:
         if loaded.native is not None:
             log.info("steps run natively (one C++ call a step); many-row steps on bfloat16 copies: %s",
                      loaded.native.dense_t is not None)
-    if plan.compile != "off" and compiling.should_compile(plan.compile, loaded.native is not None):
+    if plan.compile != "off" and compiling.should_compile(plan.compile, loaded.native is not None,
+                                                             experts=loaded.arch.num_experts > 0):
         loaded.compiled = compiling.compile_hidden_states(model)
         compiling.warm_up(model, loaded.compiled, plan.device)
     return_freed_memory()

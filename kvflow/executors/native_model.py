@@ -41,6 +41,10 @@ def reason_unsupported(model: nn.Module) -> str | None:
         return "the packed-matmul kernel is not available"
     if not hasattr(model, "layers") or not hasattr(model, "rotary"):
         return "not a Llama-family decoder"
+    if model.arch.num_experts:
+        return "a mixture of experts (the native decoder runs dense MLPs)"
+    if model.arch.rotary_dim != model.arch.head_dim:
+        return "rotary on part of each head (the native decoder rotates whole heads)"
     if model.arch.hidden_act != "silu":
         return f"activation {model.arch.hidden_act!r} (the native decoder runs SiLU)"
     if model.rotary.cos.dtype != torch.float32 or model.rotary.cos.device.type != "cpu":
@@ -80,7 +84,8 @@ class NativeModel:
                 q_norm=_f32(a.q_norm.weight if a.q_norm is not None else None),
                 k_norm=_f32(a.k_norm.weight if a.k_norm is not None else None),
                 attention=abi.KvflowAttention(num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
-                                              head_dim=a.head_dim, scale=a.scale),
+                                              head_dim=a.head_dim, scale=a.scale, window=a.window,
+                                              softcap=a.softcap),
             )
         embed = model.embed_tokens
         head = model.lm_head
@@ -111,6 +116,7 @@ class NativeModel:
     def bind(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Point every layer's attention at these [blocks, block_size, kv_heads, head_dim] caches."""
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            cache = paged_attention.layer_struct(k_cache, v_cache, layer.attention.num_heads, layer.attention.scale)
+            cache = paged_attention.layer_struct(k_cache, v_cache, layer.attention.num_heads, layer.attention.scale,
+                                                 layer.attention.window, layer.attention.softcap)
             layer.attention = cache
         self.bound, self._held = kv_caches, [t for pair in kv_caches for t in pair]

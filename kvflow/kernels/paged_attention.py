@@ -34,14 +34,16 @@ def step_struct(slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_l
                           num_tokens=slot_mapping.shape[0])
 
 
-def layer_struct(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float) -> abi.KvflowAttention:
-    """One layer's paged cache [blocks, block_size, kv_heads, head_dim] as the kernels read it."""
+def layer_struct(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float, window: int = 0,
+                 softcap: float = 0.0) -> abi.KvflowAttention:
+    """One layer's paged cache [blocks, block_size, kv_heads, head_dim] as the kernels read it; window > 0
+    for a sliding-window layer, softcap > 0 for capped scores."""
     if k_cache.dtype not in CACHE_DTYPES or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the CPU kernels take contiguous float32, bfloat16 or float16 caches")
     return abi.KvflowAttention(k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
                                cache_dtype=CACHE_DTYPES[k_cache.dtype], block_size=k_cache.shape[1],
                                num_heads=num_heads, num_kv_heads=k_cache.shape[2], head_dim=k_cache.shape[3],
-                               scale=scale)
+                               scale=scale, window=window, softcap=softcap)
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor) -> bool:

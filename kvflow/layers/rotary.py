@@ -63,8 +63,14 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [T, Hq, D], k: [T, Hkv, D]; cos/sin: [T, 1, D]."""
+    """q: [T, Hq, D], k: [T, Hkv, D]; cos/sin: [T, 1, R]. With R < D (partial rotary: Phi-3/4) only the
+    first R values of each head rotate; the rest pass through."""
     cos, sin = cos_sin
+    r = cos.shape[-1]
+    if r < q.shape[-1]:
+        (q_rot, q_pass), (k_rot, k_pass) = q.split([r, q.shape[-1] - r], -1), k.split([r, k.shape[-1] - r], -1)
+        q_rot, k_rot = apply_rotary(q_rot, k_rot, cos_sin)
+        return torch.cat((q_rot, q_pass), -1), torch.cat((k_rot, k_pass), -1)
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 

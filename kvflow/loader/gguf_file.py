@@ -21,9 +21,13 @@ from kvflow.errors import ModelLoadError, UnsupportedModelError
 from kvflow.layers.quant.packing import PACKED_BITS
 
 GGUF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "llama": "LlamaForCausalLM",  # MixtralForCausalLM when it has experts
+    "phi3": "Phi3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
 log = logging.getLogger("kvflow")
 
@@ -42,6 +46,7 @@ _LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3: stored fused
     "attn_output": "self_attn.o_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
@@ -49,7 +54,14 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a MoE layer's router
 }
+# Gemma's four norms a layer (llama.cpp's ffn_norm is the norm before the MLP, as in Llama).
+_GEMMA_NORMS = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
+GEMMA_TYPES = ("gemma2", "gemma3")
+# A MoE layer's experts, stacked in one 3-D tensor each: [experts, out, in].
+_EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -91,8 +103,9 @@ def hf_config_from_gguf(reader, path: Path) -> dict:
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = int(meta("vocab_size", len(tokens.data) if tokens is not None else 0))
     names = {t.name for t in reader.tensors}
+    experts = int(meta("expert_count", 0) or 0)
     cfg = {
-        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "architectures": ["MixtralForCausalLM" if arch == "llama" and experts else GGUF_ARCHITECTURES[arch]],
         "model_type": arch,
         "vocab_size": vocab,
         "hidden_size": hidden,
@@ -108,7 +121,22 @@ def hf_config_from_gguf(reader, path: Path) -> dict:
         "attention_bias": "blk.0.attn_q.bias" in names,
         "bos_token_id": field_value(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": field_value(reader, "tokenizer.ggml.eos_token_id"),
+        "sliding_window": meta("attention.sliding_window") or None,  # Phi-3 files write 0 for none
     }
+    rope_dims = meta("rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != cfg["head_dim"]:  # Phi-4-mini: rotary on part of a head
+        cfg["partial_rotary_factor"] = int(rope_dims) / cfg["head_dim"]
+    if experts:
+        cfg.update(num_experts=experts, num_experts_per_tok=int(meta("expert_used_count")),
+                   moe_intermediate_size=int(meta("expert_feed_forward_length", cfg["intermediate_size"])),
+                   norm_topk_prob=True,  # llama.cpp renormalises the chosen experts' weights for both families
+                   # A layer without stacked experts keeps a dense MLP.
+                   mlp_only_layers=[i for i in range(cfg["num_hidden_layers"])
+                                    if f"blk.{i}.ffn_gate_exps.weight" not in names])
+    if arch in GEMMA_TYPES:
+        cfg.update(_gemma_settings(arch, meta, cfg))
+    if "rope_factors_long.weight" in names:
+        raise UnsupportedModelError(f"{path.name}: rope scaling type 'longrope' (Phi-3 128k) is not supported")
     scaling_type = meta("rope.scaling.type")
     if scaling_type == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
@@ -118,6 +146,26 @@ def hf_config_from_gguf(reader, path: Path) -> dict:
         tensor = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
         cfg["rope_scaling"] = {"rope_type": "freq_factors", "factors": _dequantize(tensor).tolist()}
     return cfg
+
+
+def _gemma_settings(arch: str, meta, cfg: dict) -> dict:
+    """Gemma's settings as llama.cpp reads them: the sliding layers from a per-layer flag list where the file
+    has one, else its hard-coded pattern (every other layer in Gemma 2, five of six in Gemma 3: ArchConfig
+    derives it from the model type); Gemma 3's local rotary base (10000 unless stated); and the query scale,
+    which no key states: 1 / sqrt(head_dim), or 1 / sqrt(hidden / heads) for the 27B models (told by depth)."""
+    big = cfg["num_hidden_layers"] == {"gemma2": 46, "gemma3": 62}[arch]
+    settings = {
+        "hidden_act": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": cfg["hidden_size"] // cfg["num_attention_heads"] if big else cfg["head_dim"],
+        "attn_logit_softcapping": meta("attn_logit_softcapping"),
+        "final_logit_softcapping": meta("final_logit_softcapping"),
+    }
+    pattern = meta("attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        settings["layer_types"] = ["sliding_attention" if s else "full_attention" for s in pattern]
+    if arch == "gemma3":
+        settings["rope_local_base_freq"] = float(meta("rope.freq_base_swa", 10000.0))
+    return settings
 
 
 def _check_tensor_types(reader, path: Path) -> None:
@@ -155,13 +203,21 @@ def iter_gguf_weights(reader, cfg: dict, skip: Container[str] = ()) -> Iterator[
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight" or tensor.name in skip:
             continue
-        name = _hf_name(tensor.name)
+        name = _hf_name(tensor.name, cfg["model_type"])
         if name is None:
             raise ModelLoadError(f"GGUF tensor {tensor.name!r} is not one kvflow knows how to place")
+        experts = _expert_names(tensor.name, name, tensor.data.shape)
+        if experts and all(f"{tensor.name}#{e}" in skip for e in range(len(experts))):
+            continue
         try:
             data = torch.from_numpy(np.array(_dequantize(tensor), copy=True))
         except Exception as exc:
             raise ModelLoadError(f"cannot read GGUF tensor {tensor.name}: {exc}") from exc
+        if experts:
+            yield from ((n, data[e]) for e, n in enumerate(experts) if f"{tensor.name}#{e}" not in skip)
+            continue
+        if cfg["model_type"] in GEMMA_TYPES and name.endswith("norm.weight"):
+            data = data - 1  # llama.cpp stores Gemma's norms as 1 + weight; the model adds the 1 itself
         heads = _rope_heads(tensor.name, cfg)
         yield name, data if heads is None else unpermute_rope(data, heads)
 
@@ -180,10 +236,15 @@ class RawTensor:
 def iter_gguf_raw(reader, cfg: dict, types: Container[str] = PACKED_TYPES) -> Iterator[RawTensor]:
     """The 2-D weights stored in one of `types`, undecoded (no float copy is made)."""
     for tensor in reader.tensors:
-        name = _hf_name(tensor.name)
-        if name is None or tensor.tensor_type.name not in types or len(tensor.data.shape) != 2:
+        name = _hf_name(tensor.name, cfg["model_type"])
+        if name is None or tensor.tensor_type.name not in types:
             continue
-        yield RawTensor(tensor.name, name, tensor.data, tensor.tensor_type.name, _rope_heads(tensor.name, cfg))
+        experts = _expert_names(tensor.name, name, tensor.data.shape)
+        if experts:  # one packed layer per expert, each a view of its slice of the file
+            for e, expert_name in enumerate(experts):
+                yield RawTensor(f"{tensor.name}#{e}", expert_name, tensor.data[e], tensor.tensor_type.name, None)
+        elif len(tensor.data.shape) == 2:
+            yield RawTensor(tensor.name, name, tensor.data, tensor.tensor_type.name, _rope_heads(tensor.name, cfg))
 
 
 def _rope_heads(gguf_name: str, cfg: dict) -> int | None:
@@ -196,10 +257,29 @@ def _rope_heads(gguf_name: str, cfg: dict) -> int | None:
     return None
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, model_type: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor; for stacked experts, the name of expert {e}'s part."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     m = _LAYER_NAME.match(gguf_name)
-    if m is None or m.group(2) not in _LAYER_TENSORS:
+    if m is None:
         return None
-    return f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}.{m.group(3)}"
+    kind = m.group(2)
+    if kind in _EXPERT_TENSORS:
+        return f"model.layers.{m.group(1)}.mlp.experts.{{e}}.{_EXPERT_TENSORS[kind]}.{m.group(3)}"
+    if kind == "ffn_up" and model_type == "phi3":  # Phi-3 stores gate and up fused, under ffn_up
+        return f"model.layers.{m.group(1)}.mlp.gate_up_proj.{m.group(3)}"
+    if kind in _GEMMA_NORMS and model_type in GEMMA_TYPES:
+        return f"model.layers.{m.group(1)}.{_GEMMA_NORMS[kind]}.{m.group(3)}"
+    if kind not in _LAYER_TENSORS:
+        return None
+    return f"model.layers.{m.group(1)}.{_LAYER_TENSORS[kind]}.{m.group(3)}"
+
+
+def _expert_names(gguf_name: str, hf_name: str, shape: tuple[int, ...]) -> list[str] | None:
+    """Per-expert names of a stacked expert tensor of this (numpy-order) shape; None for any other tensor."""
+    if "{e}" not in hf_name:
+        return None
+    if len(shape) != 3:
+        raise ModelLoadError(f"GGUF tensor {gguf_name} should stack its experts in 3 dimensions, not {len(shape)}")
+    return [hf_name.format(e=e) for e in range(shape[0])]

@@ -134,7 +134,7 @@ def _digits_then_gpt2_split() -> pre_tokenizers.PreTokenizer:
 
 # tokenizer.ggml.pre -> (pre-tokenizer, ignore_merges). llama.cpp's llama-vocab.cpp groups pre types the same way.
 _PRE_TOKENIZERS: dict[str, tuple[Callable[[], pre_tokenizers.PreTokenizer], bool]] = {
-    **dict.fromkeys(("default", "gpt2", "mpt", "olmo", "jais"), (_gpt2_split, False)),
+    **dict.fromkeys(("default", "gpt2", "gpt-2", "phi-2", "mpt", "olmo", "jais"), (_gpt2_split, False)),
     **dict.fromkeys(
         ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"),
         (_digits_then_gpt2_split, False),

@@ -46,6 +46,8 @@ def pack_gguf(model: nn.Module, raw_tensors: Iterable[gguf_file.RawTensor], dtyp
         if not isinstance(module, Linear):
             continue
         sources = ["embed_tokens.weight"] if name == "lm_head" and tied else _weight_sources(model, name)
+        if f"{name}.weight" in raws:  # a fused layer the file stores fused (Phi-3's q/k/v and gate/up)
+            sources = [f"{name}.weight"]
         parts = [raws.get(s) for s in sources]
         if None in parts:
             continue
@@ -93,6 +95,8 @@ def quantize_linears(model: nn.Module, scheme: str | None) -> None:
     if scheme not in ("int8", "int4"):
         return
     for name, module in list(model.named_modules()):
+        if name.endswith(".mlp.gate"):  # a MoE router: small, and its rounding would move tokens between experts
+            continue
         if isinstance(module, Linear) and (name.startswith("layers.") or (name == "lm_head" and scheme == "int8")):
             _install(model, name, build_quant_linear(quantize_weight(module.weight, scheme), bias=module.bias))
     if scheme == "int8" and model.arch.tie_word_embeddings:

@@ -23,6 +23,7 @@ from kvflow.layers.linear import Linear
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding, apply_rotary
 from kvflow.models.arch import ArchConfig
+from kvflow.models.moe import SparseMoE
 
 
 class Attention(nn.Module):
@@ -35,6 +36,8 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
+        self.window = arch.layer_window(layer_index)  # 0: this layer sees every position
+        self.softcap = 0.0  # > 0: scores capped as softcap * tanh(score / softcap) (Gemma 2)
         self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
         self.o_proj = Linear(self.q_size, arch.hidden_size)
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
@@ -60,10 +63,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ArchConfig) -> None:
+    def __init__(self, arch: ArchConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size)
-        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size)
+        width = intermediate_size or arch.intermediate_size  # an expert's width in a MoE layer
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * width)
+        self.down_proj = Linear(width, arch.hidden_size)
         self.act_and_mul = gated_activation(arch.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -76,7 +80,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = Attention(arch, layer_index)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = MLP(arch)
+        self.mlp = SparseMoE(arch, MLP) if arch.is_moe_layer(layer_index) else MLP(arch)
 
     def forward(self, x: torch.Tensor, cos_sin: tuple) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos_sin)
@@ -92,12 +96,15 @@ class LlamaForCausalLM(nn.Module):
         ("gate_up_proj", "gate_proj", 0),
         ("gate_up_proj", "up_proj", 1),
     )
+    # Checkpoint names spelled otherwise by a family (Mixtral's experts), as (theirs, ours) substrings.
+    renamed_params: tuple[tuple[str, str], ...] = ()
+    decoder_layer: type[nn.Module] = DecoderLayer  # a family with other layers (Gemma) names its own
 
     def __init__(self, arch: ArchConfig, max_positions: int | None = None) -> None:
         super().__init__()
         self.arch = arch
         self.rotary = RotaryEmbedding(
-            arch.head_dim, max_positions or arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
+            arch.rotary_dim, max_positions or arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
         )
         # No random init: the checkpoint overwrites the table, and pages never written cost no memory when
         # --quantization gguf swaps it for a packed one.
@@ -105,7 +112,7 @@ class LlamaForCausalLM(nn.Module):
             arch.vocab_size, arch.hidden_size, _weight=torch.empty(arch.vocab_size, arch.hidden_size)
         )
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(self.decoder_layer(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = Linear(arch.hidden_size, arch.vocab_size)
         if arch.tie_word_embeddings:
@@ -143,6 +150,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.arch.tie_word_embeddings:
                 continue
+            for theirs, ours in self.renamed_params:
+                name = name.replace(theirs, ours)
             target, shard = name, None
             for fused, part, index in self.stacked_params:
                 if f".{part}." in name:
@@ -156,15 +165,17 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(dst.shape)}")
             dst.copy_(tensor)
-            loaded.add(f"{target}#{shard}")
+            # A fused tensor in the checkpoint (Phi-3's qkv_proj, gate_up_proj) fills every part at once.
+            shards = [shard] if shard is not None else _fused_parts(target)
+            loaded.update(f"{target}#{s}" for s in shards)
         self._check_all_loaded(loaded, params)
 
     def _shard_view(self, data: torch.Tensor, target: str, shard: int) -> torch.Tensor:
         a = self.arch
         if ".qkv_proj." in target:
             sizes = [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim]
-        else:
-            sizes = [a.intermediate_size, a.intermediate_size]
+        else:  # gate | up, of a dense MLP or an expert
+            sizes = [data.shape[0] // 2] * 2
         start = sum(sizes[:shard])
         return data.narrow(0, start, sizes[shard])
 
@@ -173,12 +184,15 @@ class LlamaForCausalLM(nn.Module):
         for name in params:
             if name == "lm_head.weight" and self.arch.tie_word_embeddings:
                 continue
-            if ".qkv_proj." in name:
-                parts = [0, 1, 2]
-            elif ".gate_up_proj." in name:
-                parts = [0, 1]
-            else:
-                parts = [None]
-            missing += [name for p in parts if f"{name}#{p}" not in loaded]
+            missing += [name for p in _fused_parts(name) if f"{name}#{p}" not in loaded]
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(set(missing))[:3]}")
+
+
+def _fused_parts(param_name: str) -> list[int | None]:
+    """The checkpoint parts a parameter is made of: q/k/v, gate/up, or itself alone."""
+    if ".qkv_proj." in param_name:
+        return [0, 1, 2]
+    if ".gate_up_proj." in param_name:
+        return [0, 1]
+    return [None]

@@ -6,14 +6,23 @@ from torch import nn
 
 from kvflow.errors import UnsupportedModelError
 from kvflow.models.arch import ArchConfig
+from kvflow.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from kvflow.models.llama import LlamaForCausalLM
+from kvflow.models.mixtral import MixtralForCausalLM
 from kvflow.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
+# Families that are one of these classes with other config values: Mistral (Llama), Phi-3/4 (Llama with
+# fused checkpoint tensors and partial rotary), Qwen3-MoE (Qwen3 with experts: its layers read the config).
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3ForCausalLM,
 }
 
 
@@ -27,11 +36,4 @@ def check_architecture_name(hf_config: dict) -> None:
 
 def model_class_for(arch: ArchConfig) -> type[nn.Module]:
     check_architecture_name({"architectures": [arch.architecture]})
-    cls = MODEL_CLASSES[arch.architecture]
-    if arch.architecture == "MistralForCausalLM" and arch.raw.get("sliding_window"):
-        window = arch.raw["sliding_window"]
-        if window < arch.max_position_embeddings:
-            raise UnsupportedModelError(
-                f"MistralForCausalLM with a sliding window ({window} tokens) is not supported"
-            )
-    return cls
+    return MODEL_CLASSES[arch.architecture]

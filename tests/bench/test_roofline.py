@@ -121,3 +121,17 @@ def test_decode_roofline(shape):
 def test_fraction_of_roofline():
     assert fraction_of_roofline(50, 200) == 0.25
     assert math.isnan(fraction_of_roofline(1, 0))
+
+
+def test_moe_decode_reads_only_routed_experts():
+    # Qwen3-30B-A3B: 30.5B parameters, 3.3B active per token (Qwen's figures, the embedding included).
+    config = {"num_hidden_layers": 48, "hidden_size": 2048, "intermediate_size": 6144, "num_attention_heads": 32,
+              "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False,
+              "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768}
+    shape = ModelShape.from_hf_config(config)
+    assert shape.num_params == pytest.approx(30.5e9, rel=0.01)
+    active = shape.active_layer_matmul_params + shape.embedding_params + shape.lm_head_params
+    assert active == pytest.approx(3.3e9, rel=0.03)
+    assert shape.decode_weight_bytes(1.0) == pytest.approx(active - shape.embedding_params + shape.norm_params)
+    dense = ModelShape.from_hf_config({k: v for k, v in config.items() if "expert" not in k})
+    assert dense.num_experts == 0 and dense.active_layer_matmul_params == dense.layer_matmul_params

@@ -22,9 +22,9 @@ def metadata(batch) -> AttentionMetadata:
     )
 
 
-def store_and_attend(q, k, v, k_cache, v_cache, meta, scale, out, all_rows=False) -> None:
+def store_and_attend(q, k, v, k_cache, v_cache, meta, scale, out, all_rows=False, window=0, softcap=0.0) -> None:
     step = paged_attention.step_struct(meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables)
-    layer = paged_attention.layer_struct(k_cache, v_cache, q.shape[1], scale)
+    layer = paged_attention.layer_struct(k_cache, v_cache, q.shape[1], scale, window, softcap)
     paged_attention.store_and_attend(layer, step, q, k, v, out, all_rows=all_rows)
 
 
@@ -135,9 +135,12 @@ def test_all_rows_match_reference_in_a_mixed_step(head_dim, seq_lens, query_lens
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-# 2060 tokens: the later rows' contexts cross 2048, where a row's positions go in longer chunks.
-@pytest.mark.parametrize(("head_dim", "n"), [(64, 300), (128, 300), (40, 300), (64, 2060)])
-def test_all_rows_result_does_not_depend_on_chunking(head_dim, n):
+# 2060 tokens: the later rows' contexts cross 2048, where a row's positions go in longer chunks. With a
+# sliding window (and capped scores), rows of one block start their windows at different chunks.
+@pytest.mark.parametrize(("head_dim", "n", "window", "softcap"), [
+    (64, 300, 0, 0.0), (128, 300, 0, 0.0), (40, 300, 0, 0.0), (64, 2060, 0, 0.0),
+    (64, 300, 100, 0.0), (128, 300, 7, 2.0), (40, 300, 130, 0.0), (64, 2060, 1500, 3.0)])
+def test_all_rows_result_does_not_depend_on_chunking(head_dim, n, window, softcap):
     """A prompt attended in one step, or as chunks of a third and two thirds (the second over the cached
     first part), or one token at a time, on 2 threads or 1: every row bitwise equal. Rows are grouped 16
     at a time per chunk of positions, but each row's arithmetic is its own."""
@@ -154,7 +157,8 @@ def test_all_rows_result_does_not_depend_on_chunking(head_dim, n):
             seq_lens=torch.tensor([hi], dtype=torch.int32), query_lens_cpu=[hi - lo], seq_lens_cpu=[hi],
             slot_mapping=slots[lo:hi], block_tables=table)
         out = torch.zeros(hi - lo, hkv * group, d)
-        store_and_attend(q[lo:hi], k[lo:hi], v[lo:hi], k_cache, v_cache, meta, 0.125, out, all_rows=True)
+        store_and_attend(q[lo:hi], k[lo:hi], v[lo:hi], k_cache, v_cache, meta, 0.125, out, all_rows=True,
+                         window=window, softcap=softcap)
         return out
 
     shape = (blocks + 4, block, hkv, d)
@@ -170,3 +174,19 @@ def test_all_rows_result_does_not_depend_on_chunking(head_dim, n):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(whole, one_by_one)
+
+
+# Windows shorter than a chunk, across a chunk boundary, longer than some contexts; capped scores alone
+# and with a window; contexts crossing 2048 (256-position chunks).
+@pytest.mark.parametrize(("window", "softcap"), [(1, 0.0), (17, 0.0), (128, 0.0), (300, 0.0), (0, 5.0), (50, 1.0)])
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
+def test_sliding_window_and_softcap_match_reference(window, softcap, head_dim):
+    batch = make_paged_batch([40, 21, 9, 300, 2080], [7, 1, 9, 130, 1], num_kv_heads=2, group=3,
+                             head_dim=head_dim, block_size=16, dtype=torch.float32, device=CPU)
+    expected = batch.reference_output(scale=0.125, window=window, softcap=softcap)
+    out = torch.zeros(batch.q.shape)
+    store_and_attend(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, metadata(batch), 0.125, out,
+                     all_rows=True, window=window, softcap=softcap)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    no_window = batch.reference_output(scale=0.125)
+    assert not torch.allclose(expected, no_window, atol=1e-3)  # the window and cap really change the result

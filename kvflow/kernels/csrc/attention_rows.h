@@ -63,7 +63,18 @@ struct Shape {
   int num_kv_heads, head_dim, block_size, group;
   int64_t table_stride;
   float scale;
+  int window;     // > 0: a row sees its last `window` positions only
+  float softcap;  // > 0: scores become softcap * tanh(score / softcap)
 };
+
+// A row's scores over a chunk, before its softmax: capped (Gemma 2), and the first `masked` positions
+// (before the row's sliding window) set to -inf, so they weigh exactly 0. Every path runs this same code
+// on the same scores, so a row's result still does not depend on which path took it.
+inline void cap_and_mask(float* sc, int n, int masked, float softcap) {
+  if (softcap > 0.f)
+    for (int p = masked; p < n; ++p) sc[p] = softcap * std::tanh(sc[p] / softcap);
+  for (int p = 0; p < masked; ++p) sc[p] = -INFINITY;
+}
 
 // exp(x[i] - m) in place, returning the sum. Inputs are <= 0 after subtracting the max.
 inline float exp_shifted_sum(float* x, int n, float m) {
@@ -102,7 +113,8 @@ inline void chunk_offsets(const int32_t* table, int lo, int n, int block_size, i
 // unnormalised output, merged later.
 template <typename T>
 void attend_chunk(const float* q, const T* k_cache, const T* v_cache, const int32_t* table, int lo, int hi,
-                  const Shape& s, float* scores, int64_t* offsets, float* max_out, float* sum_out, float* acc_out) {
+                  int masked, const Shape& s, float* scores, int64_t* offsets, float* max_out, float* sum_out,
+                  float* acc_out) {
   const int d = s.head_dim, g = s.group, hkv = s.num_kv_heads, n = hi - lo;
   const int64_t token_stride = static_cast<int64_t>(hkv) * d;
   chunk_offsets(table, lo, n, s.block_size, token_stride, offsets);
@@ -112,6 +124,7 @@ void attend_chunk(const float* q, const T* k_cache, const T* v_cache, const int3
       float* sc = scores + h * kMaxChunk;
       for (int p = 0; p < n; ++p)
         sc[p] = dot(q + h * d, k_cache + offsets[p] + kv * d, d) * s.scale;
+      cap_and_mask(sc, n, masked, s.softcap);
       const float m = largest(sc, n);
       max_out[h] = m;
       sum_out[h] = exp_shifted_sum(sc, n, m);
@@ -228,8 +241,8 @@ inline void softmax_and_values(const T* v_head, const int64_t* offsets, int n, i
 // and one shuffle reduction), then each V row once for up to J heads. offsets[0, n) locate the chunk's
 // positions (chunk_offsets); q, max_out, sum_out and acc_out are the row's, for all heads.
 template <typename T, int D>
-void attend_kv_head(const float* q, const T* k_cache, const T* v_cache, const int64_t* offsets, int n, int kv,
-                    const Shape& s, float* scores, float* max_out, float* sum_out, float* acc_out) {
+void attend_kv_head(const float* q, const T* k_cache, const T* v_cache, const int64_t* offsets, int n, int masked,
+                    int kv, const Shape& s, float* scores, float* max_out, float* sum_out, float* acc_out) {
   using B = Blocking<D>;
   constexpr int V = B::V, P = B::P;
   const int g = s.group;
@@ -271,6 +284,8 @@ void attend_kv_head(const float* q, const T* k_cache, const T* v_cache, const in
   for (; p < n; ++p)
     for (int j = 0; j < g; ++j)
       sc_group[j * kMaxChunk + p] = lane_dot<T, D>(q_group + j * D, k_head + offsets[p]) * s.scale;
+  if (masked > 0 || s.softcap > 0.f)
+    for (int j = 0; j < g; ++j) cap_and_mask(sc_group + j * kMaxChunk, n, masked, s.softcap);
   softmax_and_values<T, D>(v_head, offsets, n, g, sc_group, max_out + kv * g, sum_out + kv * g,
                            acc_out + static_cast<int64_t>(kv * g) * D);
 }
@@ -362,9 +377,9 @@ inline void block_row_offsets(const int64_t* offsets, int n_max, int64_t* at) {
 // time. Each row's result is bitwise what attend_kv_head gives it alone. scores holds count * g heads'
 // scores (kMaxChunk apart); at, from block_row_offsets, locates positions [0, n_max rounded up to four).
 template <typename T, int D>
-void attend_kv_head_rows(const float* const* q_rows, const int* contexts, const size_t* part_at, int count,
-                         const T* k_cache, const T* v_cache, const int64_t* offsets, int n_max, int lo, int len,
-                         int kv, const Shape& s, float* scores, float* widened, int64_t* at,
+void attend_kv_head_rows(const float* const* q_rows, const int* contexts, const int* starts, const size_t* part_at,
+                         int count, const T* k_cache, const T* v_cache, const int64_t* offsets, int n_max, int lo,
+                         int len, int kv, const Shape& s, float* scores, float* widened, int64_t* at,
                          float* part_max, float* part_sum, float* part_acc) {
   constexpr int kSubBlock = 64;
   const int g = s.group;
@@ -382,7 +397,11 @@ void attend_kv_head_rows(const float* const* q_rows, const int* contexts, const 
     }
     k_head = kw, v_head = vw;
   }
-  auto positions = [&](int i) { return contexts[i] <= lo ? 0 : (contexts[i] < lo + len ? contexts[i] : lo + len) - lo; };
+  // A row's positions in this chunk, counted from lo (none where the chunk ends before its window starts).
+  auto positions = [&](int i) {
+    if (contexts[i] <= lo || starts[i] >= lo + len) return 0;
+    return (contexts[i] < lo + len ? contexts[i] : lo + len) - lo;
+  };
   const int queries = count * g;  // query vector u: row u / g, head kv * g + u % g
   auto query = [&](int u) { return q_rows[u / g] + static_cast<int64_t>(kv * g + u % g) * D; };
   for (int pb = 0; pb < padded; pb += kSubBlock) {
@@ -403,6 +422,9 @@ void attend_kv_head_rows(const float* const* q_rows, const int* contexts, const 
     for (int j = 0; j < g; ++j)  // positions attend_kv_head reduces one by one
       for (int p = reduced_in_fours<D>(n); p < n; ++p)
         sc_row[j * kMaxChunk + p] = lane_dot<float, D>(query(i * g + j), k_head + at[p]) * s.scale;
+    const int masked = starts[i] > lo ? starts[i] - lo : 0;
+    if (masked > 0 || s.softcap > 0.f)
+      for (int j = 0; j < g; ++j) cap_and_mask(sc_row + j * kMaxChunk, n, masked, s.softcap);
     const size_t heads = part_at[i] + static_cast<size_t>(kv) * g;
     softmax_parts(sc_row, g, n, part_max + heads, part_sum + heads);
     for (int j0 = 0; j0 < g; j0 += 3) {
@@ -421,13 +443,13 @@ void attend_kv_head_rows(const float* const* q_rows, const int* contexts, const 
 // positions are located once, and per KV head the rows take turns while its K/V rows are still in cache
 // (L1, or L2 for larger heads). Each row runs the same code as alone (attend_kv_head for head sizes 64
 // and 128 on vector tiers; attend_chunk otherwise), so its result is bitwise the same. Rows whose context
-// ends before the chunk are skipped. part_at[i] is where row i's partial results go.
+// ends before the chunk, or whose window (starts[i]: its first visible position) begins after it, are skipped. part_at[i] is where row i's partial results go.
 // KV heads [kv_lo, kv_hi) only, where heads_split_ok (the head-size-specialised path); all of them
 // otherwise.
 inline bool heads_split_ok(const Shape& s) { return W >= 4 && (s.head_dim == 64 || s.head_dim == 128); }
 
 template <typename T>
-void attend_rows(const float* const* q_rows, const int* contexts, const size_t* part_at, int count,
+void attend_rows(const float* const* q_rows, const int* contexts, const int* starts, const size_t* part_at, int count,
                  const T* k_cache, const T* v_cache, const int32_t* table, int lo, int len, const Shape& s,
                  int kv_lo, int kv_hi, float* scores, int64_t* offsets, float* part_max, float* part_sum,
                  float* part_acc) {
@@ -447,27 +469,28 @@ void attend_rows(const float* const* q_rows, const int* contexts, const size_t* 
         at.resize(kMaxChunk + 4);
         block_row_offsets<T, D>(offsets, n_max, at.data());
         for (int kv = kv_lo; kv < kv_hi; ++kv)
-          attend_kv_head_rows<T, D>(q_rows, contexts, part_at, count, k_cache, v_cache, offsets, n_max, lo, len, kv,
-                                    s, block_scores.data(), widened.data(), at.data(), part_max, part_sum, part_acc);
+          attend_kv_head_rows<T, D>(q_rows, contexts, starts, part_at, count, k_cache, v_cache, offsets, n_max, lo,
+                                    len, kv, s, block_scores.data(), widened.data(), at.data(), part_max, part_sum,
+                                    part_acc);
         return;
       }
       for (int kv = kv_lo; kv < kv_hi; ++kv)
         for (int i = 0; i < count; ++i) {
-          if (contexts[i] <= lo) continue;
+          if (contexts[i] <= lo || starts[i] >= lo + len) continue;
           const int n = (contexts[i] < lo + len ? contexts[i] : lo + len) - lo;
           const size_t at = part_at[i];
-          attend_kv_head<T, D>(q_rows[i], k_cache, v_cache, offsets, n, kv, s, scores, part_max + at,
-                               part_sum + at, part_acc + at * d);
+          attend_kv_head<T, D>(q_rows[i], k_cache, v_cache, offsets, n, starts[i] > lo ? starts[i] - lo : 0, kv, s,
+                               scores, part_max + at, part_sum + at, part_acc + at * d);
         }
     };
     if (d == 64) return rows_with_kv_heads(std::integral_constant<int, 64>());
     if (d == 128) return rows_with_kv_heads(std::integral_constant<int, 128>());
   }
   for (int i = 0; i < count; ++i) {
-    if (contexts[i] <= lo) continue;
+    if (contexts[i] <= lo || starts[i] >= lo + len) continue;
     const int hi = contexts[i] < lo + len ? contexts[i] : lo + len;
     const size_t at = part_at[i];
-    attend_chunk(q_rows[i], k_cache, v_cache, table, lo, hi, s, scores, offsets, part_max + at, part_sum + at,
+    attend_chunk(q_rows[i], k_cache, v_cache, table, lo, hi, starts[i] > lo ? starts[i] - lo : 0, s, scores, offsets, part_max + at, part_sum + at,
                  part_acc + at * d);
   }
 }

@@ -95,13 +95,16 @@ struct KvflowStep {
 };
 
 // One layer's paged cache ([slots, num_kv_heads, head_dim] in cache_dtype: 0 float32, 1 bfloat16, 2
-// float16) and its heads.
+// float16) and its heads. window > 0: a row sees its last `window` positions only (itself included:
+// sliding-window layers); softcap > 0: scores are capped as softcap * tanh(score / softcap) (Gemma 2).
 struct KvflowAttention {
   void* k_cache;
   void* v_cache;
   int32_t cache_dtype, block_size;
   int32_t num_heads, num_kv_heads, head_dim;
   float scale;
+  int32_t window;
+  float softcap;
 };
 
 // A step's query, key and value rows (float32, heads side by side; rows may be strided).

@@ -70,21 +70,28 @@ void run(const KvflowRows& in, T* k_cache, T* v_cache, const KvflowStep& step, f
   // Query rows to attend: every one-token query, and with all_rows every row of every sequence (row r
   // of a sequence whose step brings qlen tokens sits at position seq_len - qlen + r and sees the
   // context up to and including itself). Row i's chunk c is work item first_chunk[i] + c.
-  struct Row { int out_row, seq, context; };
+  // A row of a sliding-window layer sees positions [start, context) only: its chunks are those of the
+  // fixed grid that hold any of them (the first one partly masked), so the split still depends on the
+  // row alone.
+  struct Row {
+    int out_row, seq, context, start;
+    int first_chunk_index(int len) const { return start / len; }
+    int chunk_count(int len) const { return (context + len - 1) / len - start / len; }
+  };
   thread_local std::vector<Row> rows;
   rows.clear();
   for (int b = 0; b < num_seqs; ++b) {
     const int qlen = query_start[b + 1] - query_start[b];
     if (qlen == 0 || (qlen != 1 && !all_rows)) continue;
-    for (int r = 0; r < qlen; ++r) rows.push_back({query_start[b] + r, b, seq_lens[b] - qlen + r + 1});
+    for (int r = 0; r < qlen; ++r) {
+      const int context = seq_lens[b] - qlen + r + 1;
+      rows.push_back({query_start[b] + r, b, context, s.window > 0 && context > s.window ? context - s.window : 0});
+    }
   }
   const int num_rows = static_cast<int>(rows.size());
   thread_local std::vector<int> first_chunk;
   first_chunk.assign(num_rows + 1, 0);
-  for (int i = 0; i < num_rows; ++i) {
-    const int len = chunk_length(rows[i].context);
-    first_chunk[i + 1] = first_chunk[i] + (rows[i].context + len - 1) / len;
-  }
+  for (int i = 0; i < num_rows; ++i) first_chunk[i + 1] = first_chunk[i] + rows[i].chunk_count(chunk_length(rows[i].context));
   const int total_chunks = first_chunk[num_rows];
   // Work items: a chunk of positions for a run of up to kRowBlock consecutive rows of one sequence with
   // the same chunk length (a one-token query is a run of one). Row i's result for its chunk c lands at
@@ -98,8 +105,9 @@ void run(const KvflowRows& in, T* k_cache, T* v_cache, const KvflowStep& step, f
     while (end < num_rows && end - i < kRowBlock && rows[end].seq == rows[i].seq &&
            chunk_length(rows[end].context) == len)
       ++end;
-    const int chunks = (rows[end - 1].context + len - 1) / len;  // the run's last row sees the most
-    for (int c = 0; c < chunks; ++c) items.push_back({i, end - i, c, len, 0, hkv});
+    // From the run's first row's first chunk (its window starts earliest) to its last row's last one.
+    const int chunks = (rows[end - 1].context + len - 1) / len;
+    for (int c = rows[i].first_chunk_index(len); c < chunks; ++c) items.push_back({i, end - i, c, len, 0, hkv});
     i = end;
   }
   // Too few items to share (one sequence's decode over a short context): its items go one KV head each,
@@ -136,7 +144,7 @@ void run(const KvflowRows& in, T* k_cache, T* v_cache, const KvflowStep& step, f
     scores.resize(static_cast<size_t>(kMaxChunk) * hq);
     offsets.resize(kMaxChunk);
     const float* q_rows[kRowBlock];
-    int contexts[kRowBlock];
+    int contexts[kRowBlock], starts[kRowBlock];
     size_t part_at[kRowBlock];
     workers.for_dynamic(num_items, [&](int it) {
       const Item& item = items_at[it];
@@ -144,10 +152,13 @@ void run(const KvflowRows& in, T* k_cache, T* v_cache, const KvflowStep& step, f
         const Row& row = rows_at[item.first_row + r];
         q_rows[r] = q + row.out_row * q_stride;
         contexts[r] = row.context;
-        part_at[r] = static_cast<size_t>(first_chunk_at[item.first_row + r] + item.chunk) * hq;
+        starts[r] = row.start;
+        // (Unused where the chunk lies before the row's window: the kernels skip the row there.)
+        const int index = item.chunk - row.first_chunk_index(item.len);
+        part_at[r] = static_cast<size_t>(first_chunk_at[item.first_row + r] + (index > 0 ? index : 0)) * hq;
       }
       const Row& first = rows_at[item.first_row];
-      attend_rows(q_rows, contexts, part_at, item.count, k_cache, v_cache, tables + first.seq * s.table_stride,
+      attend_rows(q_rows, contexts, starts, part_at, item.count, k_cache, v_cache, tables + first.seq * s.table_stride,
                   item.chunk * item.len, item.len, s, item.kv_lo, item.kv_hi, scores.data(), offsets.data(), max_at,
                   sum_at, acc_at);
     });
@@ -169,7 +180,8 @@ extern "C" int32_t kvflow_paged_attention(const KvflowAttention* layer, const Kv
                                           float* out, int64_t out_stride, int32_t all_rows, int32_t num_threads) {
   const KvflowAttention& a = *layer;
   if (a.num_kv_heads < 1 || a.num_heads % a.num_kv_heads) return -1;
-  const Shape s{a.num_kv_heads, a.head_dim, a.block_size, a.num_heads / a.num_kv_heads, step->table_stride, a.scale};
+  const Shape s{a.num_kv_heads, a.head_dim, a.block_size, a.num_heads / a.num_kv_heads, step->table_stride,
+                a.scale, a.window, a.softcap};
   if (a.cache_dtype == 0)
     run(*rows, static_cast<float*>(a.k_cache), static_cast<float*>(a.v_cache), *step, out, out_stride, s, all_rows,
         num_threads);

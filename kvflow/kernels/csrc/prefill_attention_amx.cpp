@@ -269,8 +269,8 @@ void pack(kvflow::Team& team, const Cache& c, const std::vector<Sequence>& seqs,
 // For every sequence whose chunk has two or more rows: causal attention of its query rows (q float32,
 // heads of size d side by side, row stride q_stride) over its first seq_len positions in the paged cache
 // (the chunk's own K/V already stored), into out (bfloat16 rows, head h at h * d). Rows of one-token
-// queries are left alone. Returns 0, or -1 where this build or CPU has no AMX, or for head sizes that
-// are not a multiple of 64 (up to 128).
+// queries are left alone. Returns 0, or -1 where this build or CPU has no AMX, for head sizes that are
+// not a multiple of 64 (up to 128), or for a sliding-window or soft-capped layer.
 extern "C" int32_t kvflow_prefill_attention_bf16(const KvflowAttention* layer, const KvflowStep* step, const float* q,
                                                  int64_t q_stride, uint16_t* out, int64_t out_stride, int32_t num_threads) {
 #ifdef KVFLOW_HAVE_AMX_BF16
@@ -281,6 +281,7 @@ extern "C" int32_t kvflow_prefill_attention_bf16(const KvflowAttention* layer, c
   const int num_seqs = step->num_seqs;
   if (d % 64 != 0 || d > 128 || hkv < 1 || hq % hkv != 0 || cache_dtype < 0 || cache_dtype > 2 || !kvflow::amx_permitted())
     return -1;
+  if (layer->window > 0 || layer->softcap > 0.f) return -1;  // sliding windows and capped scores: not on tiles
   const Cache cache{layer->k_cache, layer->v_cache, cache_dtype, layer->block_size, hkv, d};
   std::vector<Sequence> seqs;
   int64_t words = 0;  // packed words per KV head, all sequences

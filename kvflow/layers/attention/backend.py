@@ -33,7 +33,12 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor | None,
         meta: Any,
         scale: float,
-    ) -> torch.Tensor: ...
+        window: int = 0,
+        softcap: float = 0.0,
+    ) -> torch.Tensor:
+        """window > 0: a sliding-window layer (each query sees its last `window` positions); softcap > 0:
+        scores capped as softcap * tanh(score / softcap)."""
+        ...
 
 
 class ReferenceBackend:
@@ -44,15 +49,15 @@ class ReferenceBackend:
     def build_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
         return meta
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):  # noqa: D102 - see AttentionBackend
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, window=0, softcap=0.0):  # noqa: D102 - see AttentionBackend
         starts = meta.query_start_loc.tolist()
         if k_cache is None or meta.slot_mapping is None:  # no cache bound, or a one-shot forward
             out = torch.empty_like(q)
             for b in range(meta.num_seqs):
                 s, e = starts[b], starts[b + 1]
-                out[s:e] = reference.causal_attention(q[s:e], k[s:e], v[s:e], scale)
+                out[s:e] = reference.causal_attention(q[s:e], k[s:e], v[s:e], scale, window, softcap)
             return out
         reference.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return reference.paged_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens_cpu, starts, scale
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens_cpu, starts, scale, window, softcap
         )

@@ -34,8 +34,11 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
     return cache[block_table[:n_blocks].long()].flatten(0, 1)[:seq_len]
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """One sequence: q [Lq, Hq, D] are the last Lq positions of k/v [Lk, Hkv, D]; grouped-query aware."""
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0,
+                     softcap: float = 0.0) -> torch.Tensor:
+    """One sequence: q [Lq, Hq, D] are the last Lq positions of k/v [Lk, Hkv, D]; grouped-query aware.
+    window > 0: each query sees its last `window` positions only; softcap > 0: scores are capped as
+    softcap * tanh(score / softcap) before the mask (Gemma 2)."""
     lq, hq, _ = q.shape
     lk, hkv, _ = k.shape
     group = hq // hkv
@@ -43,11 +46,19 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)
     vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
     scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [Hq, Lq, Lk]
-    q_pos = torch.arange(lk - lq, lk, device=q.device)[:, None]
-    k_pos = torch.arange(lk, device=q.device)[None, :]
-    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~visible(lq, lk, window, q.device), float("-inf"))
     out = torch.matmul(torch.softmax(scores, dim=-1), vf)  # [Hq, Lq, D]
     return out.transpose(0, 1).to(q.dtype)
+
+
+def visible(lq: int, lk: int, window: int = 0, device=None) -> torch.Tensor:
+    """[Lq, Lk] bool: which positions each of the last Lq queries sees (causal; within its window)."""
+    q_pos = torch.arange(lk - lq, lk, device=device)[:, None]
+    k_pos = torch.arange(lk, device=device)[None, :]
+    seen = k_pos <= q_pos
+    return seen & (q_pos - k_pos < window) if window > 0 else seen
 
 
 def paged_attention(
@@ -58,6 +69,8 @@ def paged_attention(
     seq_lens: list[int],
     query_start_loc: list[int],
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention for a flat batch whose K/V (this step's included) already sit in the paged cache."""
     out = torch.empty_like(q)
@@ -67,5 +80,5 @@ def paged_attention(
             continue
         k = gather_kv(k_cache, block_tables[b], seq_len)
         v = gather_kv(v_cache, block_tables[b], seq_len)
-        out[start:end] = causal_attention(q[start:end], k, v, scale)
+        out[start:end] = causal_attention(q[start:end], k, v, scale, window, softcap)
     return out

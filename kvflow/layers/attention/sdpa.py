@@ -41,9 +41,19 @@ def _single_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     return out.reshape(1, -1, d)
 
 
-def _offset_causal_mask(lq: int, lk: int, device) -> torch.Tensor:
-    q_pos = torch.arange(lk - lq, lk, device=device)[:, None]
-    return torch.arange(lk, device=device)[None, :] <= q_pos
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int, softcap: float):
+    """One sequence's Lq queries, the last of its Lk positions in k/v: causal, within a sliding window if
+    given, with capped scores if given (PyTorch's fused kernels cap nothing: those run in plain float32)."""
+    lq, lk = q.shape[0], k.shape[0]
+    if window > 0 and lk > window:  # nothing before the first query's window is seen: leave it out
+        first = max(0, lk - lq - window + 1)
+        k, v, lk = k[first:], v[first:], lk - first
+    if softcap > 0:
+        return reference.causal_attention(q, k, v, scale, window, softcap)
+    if lq == lk and (window == 0 or lk <= window):
+        return _sdpa(q, k, v, scale, causal=lq > 1)
+    mask = None if lq == 1 and (window == 0 or lk <= window) else reference.visible(lq, lk, window, q.device)
+    return _sdpa(q, k, v, scale, mask=mask)
 
 
 def _context(k_cache, v_cache, meta: AttentionMetadata, b: int, seq_len: int):
@@ -93,7 +103,8 @@ class SDPABackend:
                                                meta.block_tables)
         return SDPAMetadata(meta, step)
 
-    def forward(self, q, k, v, k_cache, v_cache, built: SDPAMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, built: SDPAMetadata, scale: float, window: int = 0,
+                softcap: float = 0.0) -> torch.Tensor:
         meta = built.common
         if meta.slot_mapping is None:  # a one-shot forward (scoring, parity checks): leave the cache alone
             k_cache = v_cache = None
@@ -102,14 +113,14 @@ class SDPABackend:
         if k_cache is not None and built.kernel_step is not None and paged_attention.supports(q, k, v, k_cache):
             # C++ kernel: stores every new k/v and attends for every one-token query, whatever else the
             # step holds, so a decode token's rounding never depends on its batch.
-            layer = paged_attention.layer_struct(k_cache, v_cache, q.shape[1], scale)
+            layer = paged_attention.layer_struct(k_cache, v_cache, q.shape[1], scale, window, softcap)
             paged_attention.store_and_attend(layer, built.kernel_step, q, k, v, out, all_rows=self.exact)
             if meta.is_decode_only or self.exact:
                 return out
             decode_rows_done = True
         elif k_cache is not None:
             reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            if meta.is_decode_only and meta.num_seqs > 1 and _padding_is_cheap(meta):
+            if meta.is_decode_only and meta.num_seqs > 1 and _padding_is_cheap(meta) and not (window or softcap):
                 return self._batched_decode(q, k_cache, v_cache, meta, scale)
         start = 0
         for b, (lq, lk) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
@@ -123,12 +134,10 @@ class SDPABackend:
                     # As stored: a later chunk reads these rounded values back, so a prompt's result
                     # must not depend on whether it was split.
                     kb, vb = kb.to(k_cache.dtype).to(q.dtype), vb.to(k_cache.dtype).to(q.dtype)
-                out[start:end] = _sdpa(q[start:end], kb, vb, scale, causal=lq > 1)
             else:
                 kb, vb = _context(k_cache, v_cache, meta, b, lk)
                 kb, vb = kb.to(q.dtype), vb.to(q.dtype)  # a cache may be stored narrower (kv_cache_dtype)
-                mask = None if lq == 1 else _offset_causal_mask(lq, lk, q.device)
-                out[start:end] = _sdpa(q[start:end], kb, vb, scale, mask=mask)
+            out[start:end] = _attend(q[start:end], kb, vb, scale, window, softcap)
             start = end
         return out
 
