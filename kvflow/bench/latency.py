@@ -29,14 +29,25 @@ from kvflow.sampling_params import SamplingParams
 
 
 def weight_bytes_read_per_step(model: torch.nn.Module) -> int:
-    """Bytes of every weight a decode step reads: all parameters and packed buffers except the embedding
-    table, which is only indexed (when it is tied, the output projection reads it and it is counted)."""
-    embed = getattr(model, "embed_tokens", None)
-    skip = set() if embed is None else {id(t) for t in embed.parameters()} | {id(t) for t in embed.buffers()}
-    tied = getattr(model.arch, "tie_word_embeddings", False)
-    from kvflow.layers.quant.base import QuantLinear
+    """Bytes of every weight a decode step of one sequence reads: all parameters and packed buffers except
+    the embedding table, which is only indexed (when it is tied, the output projection reads it and it is
+    counted), and of a mixture of experts the share of its experts one token runs (top_k of them)."""
+    from kvflow.models.moe import SparseMoE
 
     seen: set[int] = set()
+    total = 0
+    for moe in (m for m in model.modules() if isinstance(m, SparseMoE)):
+        total += _weight_bytes(moe.experts, seen) * moe.top_k // len(moe.experts)
+    return total + _weight_bytes(model, seen)
+
+
+def _weight_bytes(model: torch.nn.Module, seen: set[int]) -> int:
+    """Bytes of the weights under `model` not in `seen` (which then holds them); see above."""
+    embed = getattr(model, "embed_tokens", None)
+    skip = set() if embed is None else {id(t) for t in embed.parameters()} | {id(t) for t in embed.buffers()}
+    tied = getattr(getattr(model, "arch", None), "tie_word_embeddings", False)
+    from kvflow.layers.quant.base import QuantLinear
+
     total = 0
     for module in model.modules():  # packed layers keep their bytes outside parameters and buffers
         if isinstance(module, QuantLinear) and id(module) not in seen:

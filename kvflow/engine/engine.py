@@ -39,8 +39,9 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = self.loaded.max_model_len
         config.scheduler.max_model_len = self.max_model_len
-        self.runner = ModelRunner(self.loaded, config.cache, attention_backend, config.scheduler.max_num_seqs)
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks)
+        self.runner = ModelRunner(self.loaded, config.cache, attention_backend, config.scheduler.max_num_seqs,
+                                  max_num_batched_tokens=config.scheduler.max_num_batched_tokens)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.group_blocks, self.runner.group_windows)
         self.sampler = Sampler()
         self.eos_token_ids = self._eos_ids()
         self.groups: dict[str, RequestGroup] = {}

@@ -40,12 +40,35 @@ def num_blocks_for(memory: int, arch: ArchConfig, block_size: int, dtype: torch.
     return max(0, memory // bytes_per_block(arch, block_size, dtype))
 
 
+def group_num_blocks(memory: int, arch: ArchConfig, block_size: int, dtype: torch.dtype, max_num_seqs: int,
+                     chunk: int) -> list[int]:
+    """Blocks per KV cache group (ArchConfig.kv_group_windows) out of `memory` bytes. A sliding group
+    needs no more than its window and a step's chunk for every running sequence; it gets that (or an
+    even share, if less), and the global group the rest. One group takes the whole budget."""
+    windows = arch.kv_group_windows
+    layers = [sum(arch.layer_kv_group(i) == g for i in range(arch.num_layers)) for g in range(len(windows))]
+    per_layer_block = bytes_per_block(arch, block_size, dtype) // arch.num_layers
+    even = memory // (per_layer_block * arch.num_layers)
+    if len(windows) == 1 or windows[0] != 0:
+        return [even] * len(windows)
+    blocks = [0] + [min(even, max_num_seqs * (-(-(w - 1) // block_size) + 2) + -(-chunk // block_size) + 1)
+                    for w in windows[1:]]
+    left = memory // per_layer_block - sum(n * count for n, count in zip(blocks, layers))
+    blocks[0] = max(0, left // layers[0])
+    return blocks
+
+
 def allocate_kv_cache(
-    arch: ArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    arch: ArchConfig, num_blocks: int | list[int], block_size: int, dtype: torch.dtype, device: torch.device
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+    """Each layer's K and V, with its KV group's number of blocks (one int: every layer's)."""
+    sizes = [num_blocks] * len(arch.kv_group_windows) if isinstance(num_blocks, int) else num_blocks
     zeros = _untouched_zeros if device.type == "cpu" else functools.partial(torch.zeros, device=device)
-    return [(zeros(shape, dtype=dtype), zeros(shape, dtype=dtype)) for _ in range(arch.num_layers)]
+    caches = []
+    for i in range(arch.num_layers):
+        shape = (sizes[arch.layer_kv_group(i)], block_size, arch.num_kv_heads, arch.head_dim)
+        caches.append((zeros(shape, dtype=dtype), zeros(shape, dtype=dtype)))
+    return caches
 
 
 def _untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

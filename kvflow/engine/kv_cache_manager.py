@@ -4,6 +4,12 @@ Life of a request's blocks: `get_computed_blocks` finds the cached full blocks t
 `allocate_slots` takes references on them and adds fresh blocks for the tokens to compute this step,
 `cache_full_blocks` registers blocks once their tokens are computed, and `free` drops everything
 (full blocks stay findable in the free queue until evicted).
+
+With a sliding window (the cache of sliding-window layers), a request keeps only the blocks its next
+tokens can see: each allocation frees the blocks wholly behind the window (hashed, so they stay findable
+as prefix-cache hits until evicted) and puts the null block in their place in the block table. The null
+block is never handed out; attention reads it only at positions its mask excludes. A prefix hit then
+needs only the blocks inside the window before the hit's end.
 """
 
 from __future__ import annotations
@@ -40,14 +46,20 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 window: int = 0) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if window and num_blocks < 2:
+            raise ValueError("a sliding-window cache needs at least 2 blocks (one is the null block)")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window = window  # 0: every position stays visible
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.null_block = self.pool.get_new_blocks(1)[0] if window else None  # held forever
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}  # how many leading blocks of each request are hashed
+        self._num_dropped: dict[str, int] = {}  # leading table entries already replaced by the null block
         self.stats = PrefixCacheStats()
 
     # ---- sizes and counters -------------------------------------------------------------------------
@@ -88,6 +100,18 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def first_visible_block(self, position: int) -> int:
+        """The first block a token at `position` attends to (0 without a window)."""
+        return max(0, position - self.window + 1) // self.block_size if self.window else 0
+
+    def peak_blocks(self, num_tokens: int, chunk: int) -> int:
+        """The most blocks one request of num_tokens computed tokens ever holds, computing up to `chunk`
+        tokens a step: all of them, or with a window the window's blocks plus a chunk's (and the null block's
+        table entries hold nothing)."""
+        if not self.window:
+            return self.blocks_needed(num_tokens)
+        return min(self.blocks_needed(num_tokens), self.blocks_needed(self.window + chunk) + 1)
+
     # ---- prefix cache -------------------------------------------------------------------------------
     def _update_block_hashes(self, request: Request, num_tokens: int) -> None:
         """Extend request.block_hashes to cover the full blocks among its first num_tokens tokens."""
@@ -102,20 +126,41 @@ class KVCacheManager:
         references (allocate_slots does). Counts one lookup; with caching off, returns ([], 0) uncounted."""
         if not self.enable_prefix_caching:
             return [], 0
+        max_blocks = self.max_hit_blocks(request)
+        num_hits = self.longest_hit(request, max_blocks)
+        self.record_lookup(request, num_hits, max_blocks)
+        return self.hit_block_ids(request, num_hits), num_hits * self.block_size
+
+    def max_hit_blocks(self, request: Request) -> int:
         self._update_block_hashes(request, request.num_tokens)
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[int] = []
-        for block_hash in request.block_hashes[:max_blocks]:
-            block = self.pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hits.append(block.block_id)
-        num_hit_tokens = len(hits) * self.block_size
+        return (request.num_tokens - 1) // self.block_size
+
+    def longest_hit(self, request: Request, limit: int) -> int:
+        """The most leading blocks, up to `limit`, whose tokens the cache can serve: every one of them, or
+        with a window those the next token sees (blocks [first_visible_block(n * block_size), n))."""
+        cached = [self.pool.get_cached_block(h) is not None for h in request.block_hashes[:limit]]
+        if not self.window:
+            return cached.index(False) if False in cached else len(cached)
+        counts = [0]  # counts[i]: how many of the first i blocks are cached
+        for hit in cached:
+            counts.append(counts[-1] + hit)
+        for n in range(len(cached), 0, -1):
+            first = self.first_visible_block(n * self.block_size)
+            if counts[n] - counts[first] == n - first:
+                return n
+        return 0
+
+    def hit_block_ids(self, request: Request, num_hits: int) -> list[int]:
+        """The block table of a hit of num_hits blocks (longest_hit): the null block where nothing is seen."""
+        first = self.first_visible_block(num_hits * self.block_size)
+        seen = [self.pool.get_cached_block(h).block_id for h in request.block_hashes[first:num_hits]]
+        return [self.null_block.block_id] * first + seen if first else seen
+
+    def record_lookup(self, request: Request, num_hits: int, max_blocks: int) -> None:
         self.stats.lookups += 1
         self.stats.queried_tokens += request.num_tokens
-        self.stats.hit_tokens += num_hit_tokens
-        self.stats.misses[self._miss_reason(request, len(hits), max_blocks)] += 1
-        return hits, num_hit_tokens
+        self.stats.hit_tokens += num_hits * self.block_size
+        self.stats.misses[self._miss_reason(request, num_hits, max_blocks)] += 1
 
     def _miss_reason(self, request: Request, num_hits: int, max_blocks: int) -> str:
         if num_hits == max_blocks:
@@ -136,6 +181,8 @@ class KVCacheManager:
         self._update_block_hashes(request, num_full * self.block_size)
         bs = self.block_size
         for i in range(start, num_full):
+            if blocks[i] is self.null_block:
+                continue
             tokens = request.all_token_ids[i * bs : (i + 1) * bs]
             self.pool.cache_full_block(blocks[i], request.block_hashes[i], tokens)
         self._num_cached_blocks[request.request_id] = num_full
@@ -147,19 +194,19 @@ class KVCacheManager:
         """Make room for num_new_tokens more tokens after the request's computed ones. For a request
         being scheduled for the first time (or again after preemption), computed_block_ids are its
         prefix-cache hits from get_computed_blocks: they come before the new tokens and get a reference.
-        Returns False and changes nothing if the pool cannot supply the blocks."""
+        Returns False if the pool cannot supply the blocks, having changed nothing (but for freeing blocks
+        behind the window, which the request never reads again)."""
         rid = request.request_id
-        blocks = self.req_blocks.get(rid, [])
-        hits = [self.pool.blocks[i] for i in computed_block_ids or []]
-        if hits and blocks:
-            raise ValueError(f"request {rid!r} already holds blocks; prefix hits apply only to a new one")
-        num_total = request.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
-        num_new_blocks = max(0, self.blocks_needed(num_total) - len(blocks) - len(hits))
+        if self.window and rid in self.req_blocks:
+            self._drop_behind_window(rid, request.num_computed_tokens)
+        hits, real_hits, num_new_blocks = self._needs(request, num_new_tokens, computed_block_ids)
         # Hits sitting in the free queue stop being free once touched.
-        num_free_hits = sum(1 for b in hits if b.ref_cnt == 0)
+        num_free_hits = sum(1 for b in real_hits if b.ref_cnt == 0)
         if num_new_blocks + num_free_hits > self.pool.num_free_blocks:
             return False
-        self.pool.touch(hits)
+        self.pool.touch(real_hits)
+        if self.window and hits:  # a hit's leading null entries count as dropped
+            self._num_dropped[rid] = len(hits) - len(real_hits)
         blocks = self.req_blocks.setdefault(rid, [])
         blocks.extend(hits)
         blocks.extend(self.pool.get_new_blocks(num_new_blocks))
@@ -167,11 +214,61 @@ class KVCacheManager:
             self._num_cached_blocks[rid] = len(hits)
         return True
 
+    def can_allocate(self, request: Request, num_new_tokens: int, computed_block_ids: list[int] | None = None) -> bool:
+        """Whether allocate_slots would succeed now (counting the blocks it would drop behind the window)."""
+        _, real_hits, num_new_blocks = self._needs(request, num_new_tokens, computed_block_ids)
+        droppable = 0
+        if self.window and request.request_id in self.req_blocks:
+            blocks = self.req_blocks[request.request_id]
+            first = min(self.first_visible_block(request.num_computed_tokens), len(blocks))
+            done = self._num_dropped.get(request.request_id, 0)
+            droppable = sum(1 for b in blocks[done:first] if b is not self.null_block and b.ref_cnt == 1)
+        num_free_hits = sum(1 for b in real_hits if b.ref_cnt == 0)
+        return num_new_blocks + num_free_hits <= self.pool.num_free_blocks + droppable
+
+    def _needs(self, request: Request, num_new_tokens: int, computed_block_ids: list[int] | None):
+        """(hits, hits other than the null block, fresh blocks needed) for an allocation."""
+        rid = request.request_id
+        blocks = self.req_blocks.get(rid, [])
+        hits = [self.pool.blocks[i] for i in computed_block_ids or []]
+        if hits and blocks:
+            raise ValueError(f"request {rid!r} already holds blocks; prefix hits apply only to a new one")
+        num_total = request.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
+        num_new_blocks = max(0, self.blocks_needed(num_total) - len(blocks) - len(hits))
+        return hits, [b for b in hits if b is not self.null_block], num_new_blocks
+
+    def capacity_tokens(self, chunk: int) -> int:
+        """The longest request (computed tokens) this cache can hold alone, computing up to `chunk` a step:
+        its whole pool's tokens, or with a window any length, if the window and a chunk fit."""
+        usable = self.num_blocks - (1 if self.window else 0)
+        if self.window and self.peak_blocks(1 << 62, chunk) <= usable:
+            return 1 << 62
+        return usable * self.block_size
+
+    def group_block_ids(self, request_id: str) -> list[list[int]]:
+        return [self.get_block_ids(request_id)]
+
+    def _drop_behind_window(self, rid: str, position: int) -> None:
+        """Free the blocks no token from `position` on can see; the null block takes their place."""
+        blocks = self.req_blocks[rid]
+        first = min(self.first_visible_block(position), len(blocks))
+        done = self._num_dropped.get(rid, 0)
+        if first <= done:
+            return
+        self.pool.free_blocks(b for b in blocks[done:first] if b is not self.null_block)
+        blocks[done:first] = [self.null_block] * (first - done)
+        self._num_dropped[rid] = first
+
     def free(self, request: Request) -> None:
         """Release all the request's blocks, tail first so its tail is evicted before its prefix."""
         blocks = self.req_blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
-        self.pool.free_blocks(reversed(blocks))
+        self._num_dropped.pop(request.request_id, None)
+        self.pool.free_blocks(b for b in reversed(blocks) if b is not self.null_block)
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds (the null block's table entries aside)."""
+        return sum(1 for b in self.req_blocks.get(request_id, []) if b is not self.null_block)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]
@@ -189,7 +286,7 @@ class KVCacheManager:
         if has_partial and self.pool.num_free_blocks < 1:
             return None
         shared = parent_blocks[:num_full]
-        self.pool.touch(shared)
+        self.pool.touch(b for b in shared if b is not self.null_block)
         blocks = list(shared)
         copies = []
         if has_partial:
@@ -200,4 +297,6 @@ class KVCacheManager:
         self._num_cached_blocks[child.request_id] = min(
             self._num_cached_blocks.get(parent.request_id, 0), num_full
         )
+        if self.window:
+            self._num_dropped[child.request_id] = min(self._num_dropped.get(parent.request_id, 0), num_full)
         return copies

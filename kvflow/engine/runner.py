@@ -18,7 +18,7 @@ from kvflow.engine.kv_cache_alloc import (
     allocate_kv_cache,
     bytes_per_block,
     default_kv_cache_memory,
-    num_blocks_for,
+    group_num_blocks,
 )
 from kvflow.executors.model_setup import LoadedModel, build_executor
 from kvflow.executors.plan import DTYPES
@@ -46,6 +46,7 @@ class ModelRunner:
         attention_backend: str = "auto",
         max_num_seqs: int = 64,
         cuda_graphs: bool = True,
+        max_num_batched_tokens: int = 2048,
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
@@ -55,21 +56,29 @@ class ModelRunner:
             self.kv_dtype = loaded.kv_cache_dtype or loaded.dtype
         else:
             self.kv_dtype = DTYPES[cache_config.kv_cache_dtype]
+        arch = loaded.arch
+        self.group_windows = arch.kv_group_windows  # KV cache groups (engine/kv_cache_groups.py)
         if cache_config.num_blocks is None:
             memory = cache_config.kv_cache_memory or default_kv_cache_memory(self.device, GRAPH_RESERVE)
-            cache_config.num_blocks = num_blocks_for(memory, loaded.arch, self.block_size, self.kv_dtype)
-        self.num_blocks = cache_config.num_blocks
-        if self.num_blocks < 1:
-            per_block = bytes_per_block(loaded.arch, self.block_size, self.kv_dtype)
+            self.group_blocks = group_num_blocks(memory, arch, self.block_size, self.kv_dtype, max_num_seqs,
+                                                 max_num_batched_tokens)
+            cache_config.num_blocks = self.group_blocks[0]
+        else:
+            self.group_blocks = [cache_config.num_blocks] * len(self.group_windows)
+        self.num_blocks = self.group_blocks[0]
+        if min(self.group_blocks) < 1:
+            per_block = bytes_per_block(arch, self.block_size, self.kv_dtype)
             raise ValueError(f"kv_cache_memory is too small for even one block ({per_block} bytes)")
-        self.kv_caches = allocate_kv_cache(loaded.arch, self.num_blocks, self.block_size, self.kv_dtype, self.device)
+        self.kv_caches = allocate_kv_cache(arch, self.group_blocks, self.block_size, self.kv_dtype, self.device)
         max_blocks = -(-loaded.max_model_len // self.block_size)
         self.executor = build_executor(loaded, self.kv_caches, attention_backend, max_num_seqs, max_blocks, cuda_graphs)
+        kv_bytes = sum(k.nbytes + v.nbytes for k, v in self.kv_caches)
         log.info(
-            "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %s)",
-            self.num_blocks, self.block_size, self.capacity_tokens,
-            self.num_blocks * bytes_per_block(loaded.arch, self.block_size, self.kv_dtype) / 2**20,
-            str(self.kv_dtype).split(".")[-1],
+            "KV cache: %s blocks of %d tokens = %d tokens (%.1f MiB, %s)",
+            " + ".join(f"{n} ({f'window {w}' if w else 'global'})" for n, w in zip(self.group_blocks,
+                                                                                   self.group_windows))
+            if len(self.group_blocks) > 1 else self.num_blocks,
+            self.block_size, self.capacity_tokens, kv_bytes / 2**20, str(self.kv_dtype).split(".")[-1],
         )
 
     @property
@@ -78,39 +87,26 @@ class ModelRunner:
 
     def prepare(self, scheduled) -> StepInputs:
         tokens: list[int] = []
-        positions, slots, tables = [], [], []
-        query_lens, seq_lens, logits_indices, sample_ids, first_blocks = [], [], [], [], []
-        bs = self.block_size
+        positions = []
+        query_lens, seq_lens, logits_indices, sample_ids = [], [], [], []
         for seq in scheduled:
             req, start, n = seq.request, seq.start, seq.num_tokens
             tokens.extend(req.all_token_ids[start : start + n])
-            pos = np.arange(start, start + n)
-            table = np.asarray(seq.block_ids, dtype=np.int64)
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            tables.append(table)
-            consecutive = len(table) > 0 and int(table[-1]) - int(table[0]) == len(table) - 1
-            first_blocks.append(int(table[0]) if consecutive and bool(np.all(np.diff(table) == 1)) else -1)
+            positions.append(np.arange(start, start + n))
             query_lens.append(n)
             seq_lens.append(start + n)
             if seq.sample:
                 logits_indices.append(len(tokens) - 1)
                 sample_ids.append(req.request_id)
-        width = max((len(t) for t in tables), default=1)
-        table_arr = np.zeros((len(tables), max(width, 1)), dtype=np.int32)
-        for i, t in enumerate(tables):
-            table_arr[i, : len(t)] = t
         starts = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
         dev = self.device
-        meta = AttentionMetadata(
-            query_start_loc=torch.from_numpy(starts).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            block_tables=torch.from_numpy(table_arr).to(dev),
-            contiguous_first_block=first_blocks,
-        )
+        common = dict(query_start_loc=torch.from_numpy(starts).to(dev),
+                      seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+                      query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
+        metas = [AttentionMetadata(**common, **self._cache_places(scheduled, positions, g))
+                 for g in range(len(self.group_windows))]
+        meta = metas[0]
+        meta.group_metas = metas[1:]
         return StepInputs(
             input_ids=torch.tensor(tokens, dtype=torch.long, device=dev),
             positions=torch.from_numpy(np.concatenate(positions)).to(dev),
@@ -118,6 +114,24 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
             sample_request_ids=sample_ids,
         )
+
+    def _cache_places(self, scheduled, positions: list[np.ndarray], group: int) -> dict:
+        """Slots, block tables and contiguous first blocks of the step's sequences in one KV group."""
+        bs = self.block_size
+        slots, tables, first_blocks = [], [], []
+        for seq, pos in zip(scheduled, positions):
+            table = np.asarray(seq.block_ids if group == 0 else seq.other_block_ids[group - 1], dtype=np.int64)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            tables.append(table)
+            consecutive = len(table) > 0 and int(table[-1]) - int(table[0]) == len(table) - 1
+            first_blocks.append(int(table[0]) if consecutive and bool(np.all(np.diff(table) == 1)) else -1)
+        width = max((len(t) for t in tables), default=1)
+        table_arr = np.zeros((len(tables), max(width, 1)), dtype=np.int32)
+        for i, t in enumerate(tables):
+            table_arr[i, : len(t)] = t
+        dev = self.device
+        return dict(slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+                    block_tables=torch.from_numpy(table_arr).to(dev), contiguous_first_block=first_blocks)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write for forked sequences: duplicate a partly filled block before anyone writes to it."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import deque
 
 from kvflow.config import CacheConfig, SchedulerConfig
+from kvflow.engine.kv_cache_groups import KVCacheGroups
 from kvflow.engine.kv_cache_manager import KVCacheManager
 from kvflow.engine.request import Request, RequestStatus, now
 from kvflow.engine.scheduler_output import ScheduledSequence, SchedulerOutput
@@ -40,12 +41,16 @@ def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int | list[int],
+                 windows: list[int] | None = None) -> None:
+        """num_blocks per KV cache group (one int: one group) and, per group, its sliding window (0: none);
+        see engine/kv_cache_groups.py."""
         self.config = scheduler_config
         self.block_size = cache_config.block_size
-        self.kv_cache_manager = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
-        )
+        sizes = [num_blocks] if isinstance(num_blocks, int) else list(num_blocks)
+        managers = [KVCacheManager(n, cache_config.block_size, cache_config.enable_prefix_caching, window)
+                    for n, window in zip(sizes, windows or [0] * len(sizes), strict=True)]
+        self.kv_cache_manager = managers[0] if len(managers) == 1 else KVCacheGroups(managers)
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the first to be preempted
@@ -80,7 +85,7 @@ class Scheduler:
 
     def _resolve_max_tokens(self, request: Request) -> None:
         max_len = self.config.max_model_len
-        pool_tokens = self.kv_cache_manager.num_blocks * self.block_size
+        pool_tokens = self.kv_cache_manager.capacity_tokens(self.config.max_num_batched_tokens)
         n_prompt = request.num_prompt_tokens
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is None:
@@ -98,11 +103,11 @@ class Scheduler:
             )
         # KV is needed for every token but the last sampled one.
         most_computed = n_prompt + max_tokens - 1
-        blocks_needed = self.kv_cache_manager.blocks_needed(most_computed)
-        if blocks_needed > self.kv_cache_manager.num_blocks:
+        if most_computed > pool_tokens:
+            blocks_needed = self.kv_cache_manager.blocks_needed(most_computed)
             raise ValueError(
                 f"request needs {blocks_needed} KV blocks ({most_computed} tokens of {self.block_size} per "
-                f"block) but the whole pool has only {self.kv_cache_manager.num_blocks} blocks"
+                f"block) but the whole pool has only {pool_tokens // self.block_size} blocks"
             )
         if not self.config.enable_chunked_prefill and most_computed > self.config.max_num_batched_tokens:
             raise ValueError(
@@ -246,13 +251,15 @@ class Scheduler:
     def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         start = request.num_computed_tokens
         request.num_computed_tokens += num_new
+        primary, *others = self.kv_cache_manager.group_block_ids(request.request_id)
         out.scheduled.append(
             ScheduledSequence(
                 request=request,
                 start=start,
                 num_tokens=num_new,
-                block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                block_ids=primary,
                 sample=request.num_computed_tokens == request.num_tokens,
+                other_block_ids=tuple(others),
             )
         )
 

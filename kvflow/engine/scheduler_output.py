@@ -12,8 +12,9 @@ class ScheduledSequence:
     request: Request
     start: int  # num_computed_tokens before this step: the position of the first token computed
     num_tokens: int  # tokens computed this step: request.all_token_ids[start : start + num_tokens]
-    block_ids: list[int]  # the request's whole block table after allocation
+    block_ids: list[int]  # the request's whole block table after allocation (the primary KV group's)
     sample: bool  # this chunk reaches the end of the known tokens, so the last one's logits are needed
+    other_block_ids: tuple[list[int], ...] = ()  # the block tables of KV groups 1.. (engine/kv_cache_groups)
 
     @property
     def request_id(self) -> str:

@@ -41,6 +41,8 @@ def reason_unsupported(model: nn.Module) -> str | None:
         return "the packed-matmul kernel is not available"
     if not hasattr(model, "layers") or not hasattr(model, "rotary"):
         return "not a Llama-family decoder"
+    if len(model.arch.kv_group_windows) > 1:
+        return "sliding-window layers beside global ones (the native decoder reads one block table)"
     if model.arch.num_experts:
         return "a mixture of experts (the native decoder runs dense MLPs)"
     if model.arch.rotary_dim != model.arch.head_dim:

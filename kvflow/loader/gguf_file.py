@@ -206,7 +206,7 @@ def iter_gguf_weights(reader, cfg: dict, skip: Container[str] = ()) -> Iterator[
         name = _hf_name(tensor.name, cfg["model_type"])
         if name is None:
             raise ModelLoadError(f"GGUF tensor {tensor.name!r} is not one kvflow knows how to place")
-        experts = _expert_names(tensor.name, name, tensor.data.shape)
+        experts = _expert_names(tensor.name, name, tensor.data.shape, cfg.get("num_experts", 0))
         if experts and all(f"{tensor.name}#{e}" in skip for e in range(len(experts))):
             continue
         try:
@@ -239,7 +239,7 @@ def iter_gguf_raw(reader, cfg: dict, types: Container[str] = PACKED_TYPES) -> It
         name = _hf_name(tensor.name, cfg["model_type"])
         if name is None or tensor.tensor_type.name not in types:
             continue
-        experts = _expert_names(tensor.name, name, tensor.data.shape)
+        experts = _expert_names(tensor.name, name, tensor.data.shape, cfg.get("num_experts", 0))
         if experts:  # one packed layer per expert, each a view of its slice of the file
             for e, expert_name in enumerate(experts):
                 yield RawTensor(f"{tensor.name}#{e}", expert_name, tensor.data[e], tensor.tensor_type.name, None)
@@ -276,10 +276,13 @@ def _hf_name(gguf_name: str, model_type: str) -> str | None:
     return f"model.layers.{m.group(1)}.{_LAYER_TENSORS[kind]}.{m.group(3)}"
 
 
-def _expert_names(gguf_name: str, hf_name: str, shape: tuple[int, ...]) -> list[str] | None:
+def _expert_names(gguf_name: str, hf_name: str, shape: tuple[int, ...], experts: int) -> list[str] | None:
     """Per-expert names of a stacked expert tensor of this (numpy-order) shape; None for any other tensor."""
     if "{e}" not in hf_name:
         return None
     if len(shape) != 3:
         raise ModelLoadError(f"GGUF tensor {gguf_name} should stack its experts in 3 dimensions, not {len(shape)}")
+    if shape[0] != experts:
+        raise ModelLoadError(f"GGUF tensor {gguf_name} holds {shape[0]} experts, but the file's metadata says "
+                             f"{experts} (expert_count)")
     return [hf_name.format(e=e) for e in range(shape[0])]

@@ -52,6 +52,16 @@ class ArchConfig:
             return 0
         return self.sliding_window
 
+    @property
+    def kv_group_windows(self) -> list[int]:
+        """The KV cache groups' windows (engine/kv_cache_groups.py): layers that see the same span share a
+        group; the global layers' group (window 0) comes first, where there is one."""
+        windows = {self.layer_window(i) for i in range(self.num_layers)}
+        return sorted(windows)
+
+    def layer_kv_group(self, layer_index: int) -> int:
+        return self.kv_group_windows.index(self.layer_window(layer_index))
+
     def is_moe_layer(self, layer_index: int) -> bool:
         return self.num_experts > 0 and layer_index not in self.dense_mlp_layers
 

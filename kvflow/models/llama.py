@@ -37,6 +37,7 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         self.window = arch.layer_window(layer_index)  # 0: this layer sees every position
+        self.kv_group = arch.layer_kv_group(layer_index)  # whose block tables its cache follows
         self.softcap = 0.0  # > 0: scores capped as softcap * tanh(score / softcap) (Gemma 2)
         self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
         self.o_proj = Linear(self.q_size, arch.hidden_size)

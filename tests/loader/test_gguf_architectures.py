@@ -79,3 +79,35 @@ def test_q8_0_file_stays_packed(arch, converted, tmp_path):
     rel = ((ours - ref).abs().max() / ref.abs().max()).item()
     assert rel < 1e-3, f"packed Q8_0 logits differ from the dequantized weights' by {rel:.2e} relative"
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def drop_last_expert(src, dst, tensor_name: str):
+    """A copy of a GGUF file with one stacked expert tensor missing its last expert."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(str(src))
+    writer = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
+    for t in reader.tensors:
+        data = np.asarray(t.data)
+        writer.add_tensor(t.name, data[:-1] if t.name == tensor_name else data, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+@pytest.mark.parametrize("quantization", [None, "gguf"])
+def test_moe_file_missing_an_expert_is_one_clear_error(converted, tmp_path, quantization):
+    from kvflow.errors import ModelLoadError
+
+    _, path = converted["mixtral"]
+    bad = drop_last_expert(path, tmp_path / "bad.gguf", "blk.1.ffn_up_exps.weight")
+    with pytest.raises(ModelLoadError, match=r"blk\.1\.ffn_up_exps\.weight holds 3 experts.*says 4"):
+        load_model(ModelConfig(model=str(bad), device="cpu", quantization=quantization))

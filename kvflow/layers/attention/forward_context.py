@@ -22,13 +22,14 @@ from kvflow.layers.attention.metadata import AttentionMetadata
 class ForwardContext:
     meta: AttentionMetadata
     layers: Sequence  # the model's attention layers, indexed by Attention.layer_id
-    built: dict = field(default_factory=dict)  # backend -> its metadata for this step, built on first use
+    built: dict = field(default_factory=dict)  # (backend, KV group) -> its metadata for this step
 
-    def metadata_for(self, backend) -> object:
-        """The backend's own metadata for this step: built by the first layer that asks, shared by the rest."""
-        built = self.built.get(backend)
+    def metadata_for(self, backend, group: int = 0) -> object:
+        """The backend's own metadata for this step and KV group: built by the first layer that asks,
+        shared by the rest."""
+        built = self.built.get((backend, group))
         if built is None:
-            built = self.built[backend] = backend.build_metadata(self.meta)
+            built = self.built[backend, group] = backend.build_metadata(self.meta.for_group(group))
         return built
 
 
@@ -53,7 +54,7 @@ def current() -> ForwardContext:
 
 def run_attention(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Store k/v in the layer's cache and attend; the eager path and the custom op's body."""
-    meta = current().metadata_for(layer.backend)
+    meta = current().metadata_for(layer.backend, layer.kv_group)
     if layer.window or layer.softcap:  # only these layers pass them: backends without them still serve the rest
         return layer.backend.forward(q, k, v, layer.k_cache, layer.v_cache, meta, layer.scale, window=layer.window,
                                      softcap=layer.softcap)

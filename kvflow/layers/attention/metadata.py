@@ -24,6 +24,14 @@ class AttentionMetadata:
     # Per sequence, the first block id when its blocks are consecutive in the pool (then its context is a
     # plain slice of the cache, read without a gather), else -1. Host-side; optional.
     contiguous_first_block: list[int] | None = None
+    # Where the model's layers keep their KV in several groups (engine/kv_cache_groups.py: sliding-window
+    # layers beside global ones), the metadata of groups 1.. (this one is group 0's): the same queries,
+    # their own slots and block tables.
+    group_metas: list[AttentionMetadata] | None = None
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """Group `group`'s metadata; without groups (one group, or a forward with no cache) this one."""
+        return self if group == 0 or self.group_metas is None else self.group_metas[group - 1]
 
     @property
     def num_seqs(self) -> int:
