@@ -109,6 +109,10 @@ def make_bf16_copies(model: torch.nn.Module, min_rows: int) -> int:
     depends on how many rows its step had, which is why only the fast mode does it."""
     added = 0
     for name, module in model.named_modules():
+        # A MoE expert sees only the rows routed to it (a few of a prompt's), and copies of every expert
+        # would cost gigabytes: experts stay on the packed kernel. The router stays float32, as routed.
+        if ".experts." in name or name.endswith(".mlp.gate"):
+            continue
         if isinstance(module, Linear) and module.weight.dtype == torch.float32:
             module.weight_bf16 = module.weight.detach().to(torch.bfloat16)
             module.bf16_min_rows = min_rows

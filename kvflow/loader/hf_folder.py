@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,14 +11,37 @@ import torch
 
 from kvflow.errors import ModelLoadError
 
+log = logging.getLogger("kvflow")
+
+
+# Image-text checkpoints whose text model kvflow runs alone: (the text model's architecture, model type).
+TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "gemma3_text")}
+
 
 def read_config(folder: Path) -> dict:
     try:
-        return json.loads((folder / "config.json").read_text())
+        cfg = json.loads((folder / "config.json").read_text())
     except FileNotFoundError as exc:
         raise ModelLoadError(f"{folder} has no config.json (not a Hugging Face model folder)") from exc
     except json.JSONDecodeError as exc:
         raise ModelLoadError(f"{folder / 'config.json'} is not valid JSON: {exc}") from exc
+    return text_model_config(cfg)
+
+
+def text_model_config(cfg: dict) -> dict:
+    """The config of an image-text checkpoint's text model (Gemma 3 4B and up), which kvflow runs alone;
+    any other config as it is. Its weights keep their names (the model class maps them)."""
+    archs = cfg.get("architectures") or []
+    if not archs or archs[0] not in TEXT_MODELS or not isinstance(cfg.get("text_config"), dict):
+        return cfg
+    arch, model_type = TEXT_MODELS[archs[0]]
+    log.info("%s: running its text model (%s); image inputs are not supported", archs[0], arch)
+    text = {**cfg["text_config"], "architectures": [arch]}
+    text.setdefault("model_type", model_type)
+    for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id", "torch_dtype", "dtype"):
+        if key in cfg:
+            text.setdefault(key, cfg[key])
+    return text
 
 
 def weight_files(folder: Path) -> list[Path]:

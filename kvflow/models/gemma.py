@@ -77,6 +77,12 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    # Gemma 3 4B and up ship as image-text checkpoints: their text model's tensors sit under language_model
+    # (model.language_model in newer ones), beside a vision tower kvflow does not run.
+    renamed_params = (("language_model.model.", ""), ("language_model.lm_head.", "lm_head."),
+                      ("language_model.", ""))
+    skipped_params = ("vision_tower.", "multi_modal_projector.")
+
     def __init__(self, arch: ArchConfig, max_positions: int | None = None) -> None:
         arch.qk_norm = True
         super().__init__(arch, max_positions)

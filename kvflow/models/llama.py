@@ -97,8 +97,10 @@ class LlamaForCausalLM(nn.Module):
         ("gate_up_proj", "gate_proj", 0),
         ("gate_up_proj", "up_proj", 1),
     )
-    # Checkpoint names spelled otherwise by a family (Mixtral's experts), as (theirs, ours) substrings.
+    # Checkpoint names spelled otherwise by a family (Mixtral's experts), as (theirs, ours) substrings, and
+    # prefixes of checkpoint tensors that are not this model's (an image-text checkpoint's vision tower).
     renamed_params: tuple[tuple[str, str], ...] = ()
+    skipped_params: tuple[str, ...] = ()
     decoder_layer: type[nn.Module] = DecoderLayer  # a family with other layers (Gemma) names its own
 
     def __init__(self, arch: ArchConfig, max_positions: int | None = None) -> None:
@@ -149,10 +151,12 @@ class LlamaForCausalLM(nn.Module):
             name = name.removeprefix("model.")
             if "rotary_emb.inv_freq" in name:
                 continue
-            if name == "lm_head.weight" and self.arch.tie_word_embeddings:
+            if self.skipped_params and name.startswith(self.skipped_params):
                 continue
             for theirs, ours in self.renamed_params:
                 name = name.replace(theirs, ours)
+            if name == "lm_head.weight" and self.arch.tie_word_embeddings:
+                continue
             target, shard = name, None
             for fused, part, index in self.stacked_params:
                 if f".{part}." in name:

@@ -85,3 +85,27 @@ def test_default_model_greedy_parity(default_loaded, hf_default):
                         SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == reference_greedy(hf_default, prompt, 32)
+
+
+def test_gemma3_image_text_checkpoint_runs_its_text_model(tmp_path):
+    """Gemma 3 4B and up ship as Gemma3ForConditionalGeneration: kvflow reads the text model out of it
+    (config and weights, the vision tower left alone) and matches transformers on text input."""
+    import transformers
+
+    text = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=8, pad_token_id=0)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=5, boi_token_index=3, eoi_token_index=4)
+    torch.manual_seed(0)
+    ref = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if "norm" in name:
+                p.uniform_(-0.5, 0.5)
+    ref.save_pretrained(tmp_path)
+    ours = load_model(ModelConfig(model=str(tmp_path), dtype="float32", device="cpu"))
+    assert ours.arch.architecture == "Gemma3ForCausalLM"
+    prompts = random_prompts(384, [5, 30])
+    assert_relative_close(flat_logits(ours.model, prompts), reference_logits(ref, prompts))
