@@ -217,6 +217,21 @@ def rows(pw: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
     return out.view(*ids.shape, pw.k)
 
 
+def matmul_many(x: torch.Tensor, weights: list[PackedWeight], input_bits: int = 16) -> torch.Tensor | None:
+    """Row i of the result = x[i] (or x[0] for every weight, when x has one row) @ weights[i]^T, float32
+    [len(weights), n] for weights of one n and k: several one-row matmuls in one thread team (a decode
+    token's experts), each row bitwise what `matmul` gives. None where the kernel does not take them."""
+    count, n = len(weights), weights[0].n
+    if x.dtype != torch.float32 or not x.is_contiguous() or x.shape[0] not in (1, count) or x.shape[1] != weights[0].k:
+        return None
+    structs = (abi.KvflowPackedWeight * count)(*[pw.struct for pw in weights])
+    y = torch.empty(count, n)
+    rc = abi.native().kvflow_packed_matmul_many(w=structs, count=count, x=x.data_ptr(),
+                                                x_stride=0 if x.shape[0] == 1 else x.stride(0), y=y.data_ptr(),
+                                                y_stride=n, input_bits=input_bits, num_threads=torch.get_num_threads())
+    return y if rc == 0 else None
+
+
 def matmul(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None, input_bits: int = 16) -> torch.Tensor:
     """x float32 [M, k] (rows may be strided) -> float32 [M, n]; the inputs are quantized per block to
     input_bits-bit integers (16: an error of 2^-16 of the block's largest input; 8: 2^-8, half the work)."""

@@ -108,3 +108,16 @@ def test_exact_top_gives_the_exact_argmax(bits):
     changed = y != fast
     assert torch.equal(y[changed], exact[changed].float())
     assert ((y.double() - exact).abs() <= layer.error_bound(x)).all()
+
+
+@pytest.mark.parametrize("shared_input", [True, False])
+def test_many_one_row_matmuls_in_one_call_are_each_a_matmul(shared_input):
+    """matmul_many (a decode token's experts): each row bitwise the single matmul's, with one input for
+    every weight or one each; 4- and 8-bit weights mixed."""
+    weights = [pack(codes(bits, 272, 256, seed=i)) for i, bits in enumerate([4, 8, 4, 4, 8])]
+    x = torch.randn(1 if shared_input else len(weights), 256)
+    many = packed_matmul.matmul_many(x, weights)
+    assert many is not None
+    for i, pw in enumerate(weights):
+        assert torch.equal(many[i], packed_matmul.matmul(x[0 if shared_input else i][None], pw)[0])
+    assert packed_matmul.matmul_many(torch.randn(2, 256), weights) is None  # neither one row nor one each

@@ -37,3 +37,15 @@ def test_experts_and_router_get_no_bfloat16_copies(tiny_checkpoints):
     assert layer.self_attn.qkv_proj.weight_bf16 is not None
     assert layer.mlp.gate.weight_bf16 is None
     assert all(e.gate_up_proj.weight_bf16 is None and e.down_proj.weight_bf16 is None for e in layer.mlp.experts)
+
+
+def test_a_decode_token_through_two_kernel_calls_is_bitwise_the_batched_path(tiny_checkpoints):
+    loaded = load_model(ModelConfig(model=str(tiny_checkpoints["qwen3_moe"]), device="cpu", mode="exact",
+                                    quantization="int4"))
+    moe = loaded.model.layers[0].mlp
+    assert moe._packed_experts() is not None
+    x = torch.randn(5, loaded.arch.hidden_size)
+    with torch.inference_mode():
+        batched = moe(x)  # five rows: the per-expert path
+        alone = torch.cat([moe(x[i : i + 1]) for i in range(5)])  # one row each: the two-call path
+    assert torch.equal(batched, alone)

@@ -52,6 +52,13 @@ int32_t kvflow_packed_matmul_path(void);
 int32_t kvflow_packed_matmul(const KvflowPackedWeight* w, const float* x, int64_t x_stride, int32_t m, float* y,
                              int64_t y_stride, int32_t input_bits, int32_t num_threads);
 
+// One input row for each of `count` weights (an array of structs, all of the same k and block): row i of y
+// (y_stride apart, at least each n) = row i of x (x_stride apart; 0: one row for all) @ w[i]^T, in one
+// thread team, each row bitwise what kvflow_packed_matmul gives it (a MoE token's experts). Returns 0, or
+// -1 for weights or shapes it does not take.
+int32_t kvflow_packed_matmul_many(const KvflowPackedWeight* w, int32_t count, const float* x, int64_t x_stride,
+                                  float* y, int64_t y_stride, int32_t input_bits, int32_t num_threads);
+
 // For each row of y = x @ w^T from kvflow_packed_matmul with these input_bits: every output within two
 // error bounds of the row's largest is recomputed exactly (double sums over the stored codes), so the row's
 // argmax is the exact product's. The bound (PackedLinear.error_bound) needs block_abs_sum[b], the largest

@@ -110,3 +110,54 @@ extern "C" int32_t kvflow_packed_matmul(const KvflowPackedWeight* w, const float
   });
   return 0;
 }
+
+extern "C" int32_t kvflow_packed_matmul_many(const KvflowPackedWeight* w, int32_t count, const float* x,
+                                             int64_t x_stride, float* y, int64_t y_stride, int32_t input_bits,
+                                             int32_t num_threads) {
+  if (count <= 0) return count == 0 ? 0 : -1;
+  const int64_t k = w[0].k;
+  const int block = w[0].block;
+  for (int i = 0; i < count; ++i)
+    if (w[i].k != k || w[i].block != block || !kvflow::packed::valid_block(block) || k % block ||
+        (w[i].bits != 4 && w[i].bits != 8) || w[i].n > y_stride)
+      return -1;
+  if (input_bits != 8 && input_bits != 16) return -1;
+  const bool eight = input_bits == 8;
+  const int64_t nb = k / block;
+  // One input row per weight, quantized as kvflow_packed_matmul quantizes it (once, where all share it).
+  const int inputs = x_stride == 0 ? 1 : count;
+  thread_local std::vector<int8_t> digits;
+  thread_local std::vector<float> block_stats;
+  digits.resize(static_cast<size_t>(2 * inputs) * k);
+  block_stats.resize(static_cast<size_t>(2 * inputs) * nb);
+  int8_t* hi = digits.data();
+  int8_t* lo = hi + static_cast<size_t>(inputs) * k;
+  float* scale = block_stats.data();
+  float* sum = scale + static_cast<size_t>(inputs) * nb;
+  for (int r = 0; r < inputs; ++r) {
+    if (eight)
+      Kernel::quantize_row8(x + r * x_stride, k, block, hi + r * k, scale + r * nb, sum + r * nb);
+    else
+      Kernel::quantize_row(x + r * x_stride, k, block, hi + r * k, lo + r * k, scale + r * nb, sum + r * nb);
+  }
+  const Rows all{hi, eight ? nullptr : lo, k, scale, sum, nb};
+  // Column groups of every weight, end to end: each thread takes one contiguous share of them.
+  thread_local std::vector<int64_t> first_group;
+  first_group.assign(count + 1, 0);
+  for (int i = 0; i < count; ++i) first_group[i + 1] = first_group[i] + (w[i].n + 15) / 16;
+  const int64_t groups = first_group[count];
+  const int64_t* const starts = first_group.data();
+  const int team = groups * k >= 16 * 1024 ? num_threads : 1;
+  kvflow::parallel(team, [&](kvflow::Team& workers) {
+    const int t = workers.thread(), nt = workers.threads();
+    const int64_t lo_all = groups * t / nt, hi_all = groups * (t + 1) / nt;
+    for (int i = 0; i < count; ++i) {
+      const int64_t g_lo = lo_all > starts[i] ? lo_all - starts[i] : 0;
+      const int64_t g_hi = (hi_all < starts[i + 1] ? hi_all : starts[i + 1]) - starts[i];
+      if (g_lo < g_hi)
+        kvflow::packed::run_groups<Kernel>(w[i], g_lo, g_hi, all.from(x_stride == 0 ? 0 : i), 1, y + i * y_stride,
+                                           y_stride);
+    }
+  });
+  return 0;
+}
