@@ -158,8 +158,11 @@ def write_hparams(w: gguf.GGUFWriter, arch: str, cfg: dict[str, Any], ftype: ggu
         w.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * n_embd) // n_head)
         w.add_rope_freq_base(full["rope_theta"])
         w.add_sliding_window(cfg.get("sliding_window") or 0)  # 0: no window (llama.cpp disables Phi-3's anyway)
-        if rope.get("long_factor"):
-            raise NotImplementedError("Phi-3 longrope factors (rope_factors_long/short) are not converted")
+        if rope.get("long_factor"):  # LongRoPE: the factors are tensors (below), the attention scale a key
+            scale = cfg["max_position_embeddings"] / rope["original_max_position_embeddings"]
+            attn = rope.get("attention_factor") or (
+                math.sqrt(1 + math.log(scale) / math.log(rope["original_max_position_embeddings"])) if scale > 1 else 1.0)
+            w.add_rope_scaling_attn_factors(attn)
         return
     if arch == "gemma2":  # by hand too; note: no rope.freq_base (llama.cpp assumes 10000)
         w.add_key_length(cfg["head_dim"])
@@ -262,6 +265,9 @@ def convert_tensors(folder: Path, arch: str, cfg: dict[str, Any]) -> Iterator[tu
     names = LAYER_NAMES[arch]
     if arch == "llama" and rope_parameters(cfg).get("rope_type") == "llama3":
         yield "rope_freqs.weight", llama3_rope_factors(cfg)
+    if arch == "phi3" and rope_parameters(cfg).get("long_factor"):
+        yield "rope_factors_long.weight", torch.tensor(rope_parameters(cfg)["long_factor"], dtype=torch.float32)
+        yield "rope_factors_short.weight", torch.tensor(rope_parameters(cfg)["short_factor"], dtype=torch.float32)
 
     experts: dict[tuple[int, str], dict[int, torch.Tensor]] = defaultdict(dict)
     for name, t in weights.items():

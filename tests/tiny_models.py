@@ -31,6 +31,13 @@ TINY_ARCHS = {
     "qwen3": ("Qwen3Config", dict(head_dim=32, rope_theta=1000000.0, tie_word_embeddings=True)),
     # Phi-4-mini's shape of rotary: a quarter of each head passes through unrotated.
     "phi3": ("Phi3Config", dict(partial_rotary_factor=0.75, pad_token_id=0, tie_word_embeddings=False)),
+    # Phi-3.5 / Phi-4-mini's LongRoPE (short factors up to the original 256 positions; the parity prompts
+    # stay inside them, where transformers uses the short factors too).
+    "phi3_longrope": ("Phi3Config", dict(
+        pad_token_id=0, tie_word_embeddings=False, max_position_embeddings=1024,
+        original_max_position_embeddings=256,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+                      "long_factor": [1.0, 1.5, 2.2, 3.3, 5.0, 7.5, 11.0, 16.0]})),
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)),
     # Layer 1 keeps a dense MLP (mlp_only_layers), as some Qwen MoE configs do.
     "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,

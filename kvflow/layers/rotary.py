@@ -13,7 +13,7 @@ from torch import nn
 
 from kvflow.errors import UnsupportedModelError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "longrope")
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -27,6 +27,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         return _llama3_inv_freq(inv_freq, scaling)
     if rope_type == "freq_factors":  # from GGUF files: one divisor per frequency, precomputed
         return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
+    if rope_type == "longrope":  # the short factors; RotaryEmbedding takes the long ones past the original length
+        return inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float32)
     raise UnsupportedModelError(
         f"rope scaling type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
     )
@@ -51,13 +53,31 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        gain = 1.0
+        if (scaling or {}).get("rope_type", (scaling or {}).get("type")) == "longrope":
+            freqs, gain = _longrope(freqs, head_dim, theta, scaling)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", emb.cos() * gain, persistent=False)
+        self.register_buffer("sin", emb.sin() * gain, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's cos/sin rows, [T, 1, D]: looked up once per step and shared by every layer."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def _longrope(freqs: torch.Tensor, head_dim: int, theta: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    """Phi-3.5 / Phi-4-mini's LongRoPE: positions past the original context rotate by the long factors
+    (earlier ones keep the short ones, as a transformers KV cache that grew past it holds them), and cos
+    and sin are scaled by the attention factor."""
+    original = int(scaling["original_max_position_embeddings"])
+    if freqs.shape[0] > original:
+        long_freq = rope_inv_freq(head_dim, theta, None) / torch.tensor(scaling["long_factor"], dtype=torch.float32)
+        freqs[original:] = torch.outer(torch.arange(original, freqs.shape[0], dtype=torch.float32), long_freq)
+    factor = scaling.get("factor") or scaling["max_position_embeddings"] / original
+    gain = scaling.get("attention_factor")
+    if gain is None:
+        gain = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return freqs, float(gain)
 
 
 def apply_rotary(

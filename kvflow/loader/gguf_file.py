@@ -60,6 +60,8 @@ _LAYER_TENSORS = {
 _GEMMA_NORMS = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                 "post_ffw_norm": "post_feedforward_layernorm"}
 GEMMA_TYPES = ("gemma2", "gemma3")
+# Rotary settings stored as tensors: read into the config, never placed in the model.
+ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 # A MoE layer's experts, stacked in one 3-D tensor each: [experts, out, in].
 _EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _GLOBAL_TENSORS = {
@@ -135,17 +137,30 @@ def hf_config_from_gguf(reader, path: Path) -> dict:
                                     if f"blk.{i}.ffn_gate_exps.weight" not in names])
     if arch in GEMMA_TYPES:
         cfg.update(_gemma_settings(arch, meta, cfg))
-    if "rope_factors_long.weight" in names:
-        raise UnsupportedModelError(f"{path.name}: rope scaling type 'longrope' (Phi-3 128k) is not supported")
-    scaling_type = meta("rope.scaling.type")
-    if scaling_type == "linear":
-        cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
-    elif scaling_type not in (None, "none"):
-        raise UnsupportedModelError(f"{path.name}: rope scaling type {scaling_type!r} is not supported")
+    scaling = _rope_scaling(reader, meta, names, path, cfg)
+    if scaling is not None:
+        cfg["rope_scaling"] = scaling
+    return cfg
+
+
+def _rope_scaling(reader, meta, names: set[str], path: Path, cfg: dict) -> dict | None:
+    """The rotary scaling a GGUF file states, in the form ArchConfig reads (None: none)."""
+    if "rope_factors_long.weight" in names:  # Phi-3.5 / Phi-4-mini's LongRoPE
+        factors = {t.name: _dequantize(t).tolist() for t in reader.tensors if t.name in ROPE_TENSORS}
+        return {"rope_type": "longrope", "long_factor": factors["rope_factors_long.weight"],
+                "short_factor": factors["rope_factors_short.weight"],
+                "original_max_position_embeddings": int(meta("rope.scaling.original_context_length")),
+                "max_position_embeddings": cfg["max_position_embeddings"],
+                "attention_factor": meta("rope.scaling.attn_factor")}
     if "rope_freqs.weight" in names:  # Llama 3.1+ GGUFs store the llama3 scaling as per-frequency factors
         tensor = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
-        cfg["rope_scaling"] = {"rope_type": "freq_factors", "factors": _dequantize(tensor).tolist()}
-    return cfg
+        return {"rope_type": "freq_factors", "factors": _dequantize(tensor).tolist()}
+    scaling_type = meta("rope.scaling.type")
+    if scaling_type == "linear":
+        return {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
+    if scaling_type not in (None, "none"):
+        raise UnsupportedModelError(f"{path.name}: rope scaling type {scaling_type!r} is not supported")
+    return None
 
 
 def _gemma_settings(arch: str, meta, cfg: dict) -> dict:
@@ -201,7 +216,7 @@ def unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 def iter_gguf_weights(reader, cfg: dict, skip: Container[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, float tensor) for every tensor except those whose GGUF names are in skip."""
     for tensor in reader.tensors:
-        if tensor.name == "rope_freqs.weight" or tensor.name in skip:
+        if tensor.name in ROPE_TENSORS or tensor.name in skip:
             continue
         name = _hf_name(tensor.name, cfg["model_type"])
         if name is None:

@@ -142,6 +142,14 @@ def _rope_settings(cfg: dict[str, Any]) -> tuple[float, dict | None]:
     if isinstance(params, dict):
         theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_type = params.get("rope_type", params.get("type", "default"))
-        return theta, (None if rope_type == "default" else dict(params))
+        return theta, (None if rope_type == "default" else _with_lengths(dict(params), cfg))
     scaling = cfg.get("rope_scaling")
-    return float(cfg.get("rope_theta", 10000.0)), (dict(scaling) if scaling else None)
+    return float(cfg.get("rope_theta", 10000.0)), (_with_lengths(dict(scaling), cfg) if scaling else None)
+
+
+def _with_lengths(scaling: dict, cfg: dict[str, Any]) -> dict:
+    """LongRoPE reads the original and the extended context lengths, which configs keep beside it."""
+    if scaling.get("rope_type", scaling.get("type")) == "longrope":
+        scaling.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+        scaling.setdefault("max_position_embeddings", cfg.get("max_position_embeddings"))
+    return scaling

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_helpers import PROMPTS, make_llm
+from tiny_models import make_tiny_checkpoint
 
 from kvflow import SamplingParams
 from kvflow.config import ModelConfig
@@ -220,13 +221,15 @@ def test_dense_many_row_steps_stay_as_close_to_float32_as_the_pytorch_layers(den
     assert dense_mean <= 1.5 * layers_mean + 2e-3, (dense_mean, layers_mean)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3_longrope", "mistral_window"])
 @pytest.mark.usefixtures("sixteen_bit_inputs")
-def test_bias_and_head_norms_against_the_pytorch_layers(tiny_checkpoints, arch, native_steps):
-    """Qwen2's q/k/v bias and Qwen3's per-head q/k norms (int4-packed tiny models: a float32 embedding
-    table and a float output head, which the executor applies after the native call). 16-bit inputs
-    throughout, as the PyTorch layers'."""
-    loaded = load_model(ModelConfig(model=str(tiny_checkpoints[arch]), device="cpu", quantization="int4"))
+def test_bias_and_head_norms_against_the_pytorch_layers(tiny_checkpoints, arch, native_steps, tmp_path):
+    """Qwen2's q/k/v bias, Qwen3's per-head q/k norms, LongRoPE's scaled rotary table and a sliding window
+    on every layer (int4-packed tiny models: a float32 embedding table and a float output head, which the
+    executor applies after the native call). 16-bit inputs throughout, as the PyTorch layers'."""
+    folder = (make_tiny_checkpoint("mistral", tmp_path / "m", sliding_window=24) if arch == "mistral_window"
+              else tiny_checkpoints[arch])
+    loaded = load_model(ModelConfig(model=str(folder), device="cpu", quantization="int4"))
     assert loaded.native is not None and not loaded.native.head_packed
     prompts = [{"prompt_token_ids": list(range(3, 3 + 90))}, {"prompt_token_ids": list(range(200, 270))}]
     ours = make_llm(loaded, kv_cache_memory=16 << 20).generate(prompts, PARAMS)
