@@ -21,6 +21,29 @@ MIN_BYTES = HUGE_PAGE  # smaller buffers would not fill one huge page
 enabled = os.environ.get("KVFLOW_HUGE_PAGES", "1") != "0"  # KVFLOW_HUGE_PAGES=0: ordinary pages
 
 
+class HugePageArena:
+    """Buffers smaller than a huge page, side by side on shared huge pages in the order asked for (a bump
+    allocator over 1 GiB chunks, which cost resident memory only as they fill): weights packed one by one
+    (a MoE model's thousands of 1-2 MB experts) land next to each other as they are written, so none is
+    copied onto huge pages afterwards. A chunk lives as long as any buffer cut from it."""
+
+    def __init__(self, chunk: int = 1 << 30) -> None:
+        self.chunk = chunk
+        self._buf: torch.Tensor | None = None
+        self._used = 0
+
+    def zeros(self, nbytes: int, align: int = 64) -> torch.Tensor | None:
+        """A zero-filled uint8 slice of nbytes, or None where this arena does not serve it (huge pages off,
+        or a buffer of a huge page or more, which gets its own)."""
+        if not enabled or nbytes >= MIN_BYTES or getattr(mmap, "MADV_HUGEPAGE", None) is None:
+            return None
+        start = -(-self._used // align) * align
+        if self._buf is None or start + nbytes > self._buf.numel():
+            self._buf, start = huge_page_zeros(self.chunk), 0
+        self._used = start + nbytes
+        return self._buf[start:start + nbytes]
+
+
 def huge_page_zeros(nbytes: int) -> torch.Tensor:
     """A zero-filled uint8 CPU tensor of ``nbytes``, on huge pages where the OS grants them."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)

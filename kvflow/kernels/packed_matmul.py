@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from kvflow.kernels import abi
-from kvflow.kernels.huge_pages import MIN_BYTES, huge_page_zeros, onto_huge_pages
+from kvflow.kernels.huge_pages import MIN_BYTES, HugePageArena, huge_page_zeros, onto_huge_pages
 
 GROUP = 32  # inputs per block (one scale and offset per block and column)
 GROUPS = (32, 16)  # the block sizes the kernel takes: 16 for Q6_K / Q3_K / Q2_K scales
@@ -104,6 +104,16 @@ def pack(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size:
     return PackedWeight(data, n, k, bits, has_offset, group_size, centre)
 
 
+SMALL_WEIGHTS = HugePageArena()  # where pack_gguf puts weights under a huge page each, in the order packed
+
+
+def start_arena() -> None:
+    """A fresh arena for one model's small weights: they then sit side by side from a huge-page boundary,
+    in the order the load packs them (a step's reading order)."""
+    global SMALL_WEIGHTS
+    SMALL_WEIGHTS = HugePageArena()
+
+
 def pack_gguf(parts: list[tuple[np.ndarray, int, torch.Tensor | None]], bits: int, group: int,
               centre: int = 0) -> PackedWeight | None:
     """GGUF tensors (block bytes [rows, bytes] from the mapped file, ggml type id, row order or None) fused
@@ -121,10 +131,13 @@ def pack_gguf(parts: list[tuple[np.ndarray, int, torch.Tensor | None]], bits: in
     n, k = sum(raw.shape[0] for raw in arrays), _inputs(arrays[0], parts[0][1])
     shape = (-(-n // COLUMNS), k // group, group * COLUMNS * bits // 8 + (32 if centre else 64))
     nbytes = shape[0] * shape[1] * shape[2]
-    data = huge_page_zeros(nbytes).view(shape)  # written once, in place: no copy onto huge pages later
+    # Written once, in place, on huge pages (a small weight on pages it shares): no copy onto them later.
+    small = SMALL_WEIGHTS.zeros(nbytes)
+    data = (huge_page_zeros(nbytes) if small is None else small).view(shape)
     rc = abi.native().kvflow_pack_gguf(parts=structs, count=len(parts), k=k, bits=bits, block=group, centre=centre,
                                        out=data.data_ptr(), num_threads=torch.get_num_threads())
-    pw = PackedWeight(data, n, k, bits, not centre, group, centre, on_huge_pages=nbytes >= MIN_BYTES)
+    pw = PackedWeight(data, n, k, bits, not centre, group, centre,
+                      on_huge_pages=small is not None or nbytes >= MIN_BYTES)
     return pw if rc == 0 else None
 
 

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from kvflow.kernels import packed_matmul
 from kvflow.layers.linear import Linear
 from kvflow.layers.quant import (
     QuantLinear,
@@ -40,6 +41,7 @@ def pack_gguf(model: nn.Module, raw_tensors: Iterable[gguf_file.RawTensor], dtyp
     when all of its parts are packed types (as 8-bit codes where their widths differ); otherwise it loads as
     float."""
     raws = {r.hf_name.removeprefix("model."): r for r in raw_tensors}
+    packed_matmul.start_arena()
     tied = model.arch.tie_word_embeddings
     consumed: set[str] = set()
     for name, module in list(model.named_modules()):

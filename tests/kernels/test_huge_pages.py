@@ -68,6 +68,18 @@ def test_small_or_disabled_buffers_are_ordinary_zeros(monkeypatch):
     assert huge_pages.onto_huge_pages(t)[0] is t[0]
 
 
+def test_arena_cuts_small_buffers_side_by_side_and_leaves_large_ones(monkeypatch):
+    arena = huge_pages.HugePageArena(chunk=2 * MIB)
+    a, b = arena.zeros(1000), arena.zeros(MIB)
+    assert a.numel() == 1000 and b.numel() == MIB and int(b.count_nonzero()) == 0
+    assert b.data_ptr() == a.data_ptr() + 1024  # 64-byte aligned, right after a
+    c = arena.zeros(MIB + MIB // 2)  # past the chunk's end: a new chunk
+    assert c.data_ptr() != b.data_ptr() + MIB
+    assert arena.zeros(huge_pages.MIN_BYTES) is None  # a huge page or more: its own buffer
+    monkeypatch.setattr(huge_pages, "enabled", False)
+    assert arena.zeros(1000) is None
+
+
 def test_onto_huge_pages_copies_side_by_side_aligned():
     gen = torch.Generator().manual_seed(0)
     tensors = [torch.randn(300, 1001, generator=gen), torch.randint(0, 255, (3, 7777), dtype=torch.uint8),
@@ -105,12 +117,14 @@ def test_kv_cache_starts_untouched_and_on_huge_pages():
 @pytest.mark.skipif(not packed_matmul.available(), reason="needs a C++ compiler to build the kernels")
 def test_loaded_packed_weights_are_on_huge_pages(fast_loaded):
     """A weight of a huge page or more is packed straight into a huge-page buffer of its own; the smaller
-    ones are gathered side by side, in the order a step reads them, into one shared buffer."""
+    ones are packed side by side, in the order a step reads them, into one shared buffer (the load's
+    arena), so none is copied afterwards."""
     packed = [m.packed for m in fast_loaded.model.modules() if isinstance(m, PackedLinear)]
     assert len(packed) == 4 * fast_loaded.arch.num_layers + 1  # every layer's projections and the output head
     small = [pw for pw in packed if pw.nbytes() < huge_pages.MIN_BYTES]
     large = [pw for pw in packed if pw.nbytes() >= huge_pages.MIN_BYTES]
     assert small and large  # the default model's projections, and its output head
+    assert all(pw.on_huge_pages for pw in small)
     starts = [pw.data.data_ptr() for pw in small]
     assert starts == sorted(starts), "weights are laid out in the order a step reads them"
     assert starts[0] % huge_pages.HUGE_PAGE == 0
