@@ -104,6 +104,16 @@ def pack(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size:
     return PackedWeight(data, n, k, bits, has_offset, group_size, centre)
 
 
+def split_rows(pw: PackedWeight, rows: int) -> list[PackedWeight] | None:
+    """Views of a weight's consecutive blocks of `rows` output rows as weights of their own (a MoE layer's
+    experts, packed in one call), or None where a block would not start on a column group."""
+    if rows % COLUMNS or pw.n % rows:
+        return None
+    each = rows // COLUMNS
+    return [PackedWeight(pw.data[i * each : (i + 1) * each], rows, pw.k, pw.bits, pw.has_offset, pw.group, pw.centre,
+                         on_huge_pages=pw.on_huge_pages) for i in range(pw.n // rows)]
+
+
 SMALL_WEIGHTS = HugePageArena()  # where pack_gguf puts weights under a huge page each, in the order packed
 
 

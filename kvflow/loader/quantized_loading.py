@@ -29,9 +29,11 @@ from kvflow.layers.quant import (
     unpermute_rope_index,
 )
 from kvflow.layers.quant.factory import UnpackableCodes
+from kvflow.layers.quant.packed_linear import PackedLinear
 from kvflow.layers.quant.vocab import ExactTopLogits, PackedEmbedding
 from kvflow.loader import gguf_file
 from kvflow.loader.gguf_reader import release_pages
+from kvflow.models.moe import SparseMoE
 
 
 def pack_gguf(model: nn.Module, raw_tensors: Iterable[gguf_file.RawTensor], dtype: torch.dtype) -> set[str]:
@@ -44,6 +46,9 @@ def pack_gguf(model: nn.Module, raw_tensors: Iterable[gguf_file.RawTensor], dtyp
     packed_matmul.start_arena()
     tied = model.arch.tie_word_embeddings
     consumed: set[str] = set()
+    for name, module in list(model.named_modules()):
+        if isinstance(module, SparseMoE):
+            consumed |= _pack_experts(model, name, module, raws)
     for name, module in list(model.named_modules()):
         if not isinstance(module, Linear):
             continue
@@ -73,6 +78,34 @@ def pack_gguf(model: nn.Module, raw_tensors: Iterable[gguf_file.RawTensor], dtyp
     elif not tied and embed is not None:
         model.embed_tokens = PackedEmbedding(gguf_linear([(embed.data, embed.qtype)], exact_rows=True), dtype)
         consumed.add(embed.gguf_name)
+    return consumed
+
+
+def _pack_experts(model: nn.Module, name: str, moe: SparseMoE, raws: dict) -> set[str]:
+    """Each projection of a MoE layer's experts (gate/up, down) packed in one call for all of them, from
+    the file's stacked tensor, then cut into one packed layer per expert: one pass over the tensor's
+    bytes, where a call per expert cost its own start-up thousands of times. Returns the GGUF names
+    consumed; a projection the packer does not take is left to the per-layer pass."""
+    consumed: set[str] = set()
+    for proj in ("gate_up_proj", "down_proj"):
+        per_expert = [[raws.get(s) for s in _weight_sources(model, f"{name}.experts.{e}.{proj}")]
+                      for e in range(len(moe.experts))]
+        parts = [p for expert in per_expert for p in expert]
+        if None in parts or len({p.qtype for p in parts}) != 1:
+            continue
+        try:
+            layer = gguf_linear([(p.data, p.qtype) for p in parts])
+        except UnpackableCodes:
+            continue
+        views = (packed_matmul.split_rows(layer.packed, layer.out_features // len(moe.experts))
+                 if isinstance(layer, PackedLinear) else None)
+        if views is None:
+            continue
+        for e, view in enumerate(views):
+            model.set_submodule(f"{name}.experts.{e}.{proj}", PackedLinear(view))
+        consumed |= {p.gguf_name for p in parts}
+        for p in parts:
+            release_pages(p.data)
     return consumed
 
 

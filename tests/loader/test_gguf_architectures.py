@@ -71,6 +71,9 @@ def test_q8_0_file_stays_packed(arch, converted, tmp_path):
     projections = [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
     if packed.arch.is_moe_layer(0):
         projections += [p for e in layer.mlp.experts for p in (e.gate_up_proj, e.down_proj)]
+        # Packed in one call a stacked tensor: the experts sit back to back in one buffer.
+        data = [e.down_proj.packed.data for e in layer.mlp.experts]
+        assert all(b.data_ptr() == a.data_ptr() + a.numel() for a, b in zip(data, data[1:]))
     else:
         projections += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
     assert all(isinstance(p, PackedLinear) for p in projections)
