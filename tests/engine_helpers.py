@@ -31,5 +31,15 @@ def make_llm(loaded, **options) -> LLM:
     return LLM(loaded_model=loaded, **options)
 
 
+def llm_builder(loaded, **defaults):
+    """A function that makes LLMs over `loaded` with these options, each call's own on top: the `model`
+    fixture the invariance tests (test_invariance.py and the modules that rerun it) take."""
+
+    def build(**extra) -> LLM:
+        return make_llm(loaded, **{**defaults, **extra})
+
+    return build
+
+
 def greedy_tokens(llm: LLM, prompts: list, params: SamplingParams = GREEDY_32) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

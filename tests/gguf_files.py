@@ -38,6 +38,19 @@ def write_gguf(path: Path, arch: str, tensor_type: str, random_bytes: bool = Fal
 
 
 def requantize(src: Path, dst: Path, pick: Callable[[str], str | None]) -> Path:
+    def tensor(t) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
+        target = pick(t.name) if len(t.shape) in (2, 3) else None  # 3-D: stacked MoE experts
+        if target is None or target == t.tensor_type.name:
+            return np.asarray(t.data), t.tensor_type
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        qtype = gguf.GGMLQuantizationType[target]
+        return (quantize_q6_k(w) if target == "Q6_K" else gguf.quants.quantize(w, qtype)), qtype
+
+    return rewrite(src, dst, tensor)
+
+
+def rewrite(src: Path, dst: Path, tensor: Callable) -> Path:
+    """A copy of a GGUF file, metadata as it is, each tensor as tensor(reader_tensor) gives it: (data, type)."""
     reader = gguf.GGUFReader(str(src))
     arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(str(dst), arch)
@@ -48,14 +61,8 @@ def requantize(src: Path, dst: Path, pick: Callable[[str], str | None]) -> Path:
         sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
     for t in reader.tensors:
-        target = pick(t.name) if len(t.shape) in (2, 3) else None  # 3-D: stacked MoE experts
-        if target is None or target == t.tensor_type.name:
-            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
-            continue
-        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        qtype = gguf.GGMLQuantizationType[target]
-        raw = quantize_q6_k(w) if target == "Q6_K" else gguf.quants.quantize(w, qtype)
-        writer.add_tensor(t.name, raw, raw_dtype=qtype)
+        data, qtype = tensor(t)
+        writer.add_tensor(t.name, data, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -36,10 +36,6 @@ def default_kv_cache_memory(device: torch.device, cuda_reserve: int = 0) -> int:
     return int(min(available * CPU_DEFAULT_SHARE, CPU_DEFAULT_CAP))
 
 
-def num_blocks_for(memory: int, arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
-    return max(0, memory // bytes_per_block(arch, block_size, dtype))
-
-
 def group_num_blocks(memory: int, arch: ArchConfig, block_size: int, dtype: torch.dtype, max_num_seqs: int,
                      chunk: int) -> list[int]:
     """Blocks per KV cache group (ArchConfig.kv_group_windows) out of `memory` bytes. A sliding group

@@ -104,13 +104,6 @@ class KVCacheManager:
         """The first block a token at `position` attends to (0 without a window)."""
         return max(0, position - self.window + 1) // self.block_size if self.window else 0
 
-    def peak_blocks(self, num_tokens: int, chunk: int) -> int:
-        """The most blocks one request of num_tokens computed tokens ever holds, computing up to `chunk`
-        tokens a step: all of them, or with a window the window's blocks plus a chunk's (and the null block's
-        table entries hold nothing)."""
-        if not self.window:
-            return self.blocks_needed(num_tokens)
-        return min(self.blocks_needed(num_tokens), self.blocks_needed(self.window + chunk) + 1)
 
     # ---- prefix cache -------------------------------------------------------------------------------
     def _update_block_hashes(self, request: Request, num_tokens: int) -> None:
@@ -197,8 +190,7 @@ class KVCacheManager:
         Returns False if the pool cannot supply the blocks, having changed nothing (but for freeing blocks
         behind the window, which the request never reads again)."""
         rid = request.request_id
-        if self.window and rid in self.req_blocks:
-            self._drop_behind_window(rid, request.num_computed_tokens)
+        self._drop_behind_window(rid, request.num_computed_tokens)
         hits, real_hits, num_new_blocks = self._needs(request, num_new_tokens, computed_block_ids)
         # Hits sitting in the free queue stop being free once touched.
         num_free_hits = sum(1 for b in real_hits if b.ref_cnt == 0)
@@ -217,12 +209,9 @@ class KVCacheManager:
     def can_allocate(self, request: Request, num_new_tokens: int, computed_block_ids: list[int] | None = None) -> bool:
         """Whether allocate_slots would succeed now (counting the blocks it would drop behind the window)."""
         _, real_hits, num_new_blocks = self._needs(request, num_new_tokens, computed_block_ids)
-        droppable = 0
-        if self.window and request.request_id in self.req_blocks:
-            blocks = self.req_blocks[request.request_id]
-            first = min(self.first_visible_block(request.num_computed_tokens), len(blocks))
-            done = self._num_dropped.get(request.request_id, 0)
-            droppable = sum(1 for b in blocks[done:first] if b is not self.null_block and b.ref_cnt == 1)
+        done, first = self._behind_window(request.request_id, request.num_computed_tokens)
+        blocks = self.req_blocks.get(request.request_id, [])
+        droppable = sum(1 for b in blocks[done:first] if b is not self.null_block and b.ref_cnt == 1)
         num_free_hits = sum(1 for b in real_hits if b.ref_cnt == 0)
         return num_new_blocks + num_free_hits <= self.pool.num_free_blocks + droppable
 
@@ -241,20 +230,28 @@ class KVCacheManager:
         """The longest request (computed tokens) this cache can hold alone, computing up to `chunk` a step:
         its whole pool's tokens, or with a window any length, if the window and a chunk fit."""
         usable = self.num_blocks - (1 if self.window else 0)
-        if self.window and self.peak_blocks(1 << 62, chunk) <= usable:
+        # With a window a request never holds more than the window's blocks and a chunk's.
+        if self.window and self.blocks_needed(self.window + chunk) + 1 <= usable:
             return 1 << 62
         return usable * self.block_size
 
     def group_block_ids(self, request_id: str) -> list[list[int]]:
         return [self.get_block_ids(request_id)]
 
+    def _behind_window(self, rid: str, position: int) -> tuple[int, int]:
+        """The request's table entries [done, first) that no token from `position` on sees and that still
+        hold blocks (empty without a window)."""
+        blocks = self.req_blocks.get(rid)
+        if not self.window or not blocks:
+            return 0, 0
+        return self._num_dropped.get(rid, 0), min(self.first_visible_block(position), len(blocks))
+
     def _drop_behind_window(self, rid: str, position: int) -> None:
         """Free the blocks no token from `position` on can see; the null block takes their place."""
-        blocks = self.req_blocks[rid]
-        first = min(self.first_visible_block(position), len(blocks))
-        done = self._num_dropped.get(rid, 0)
+        done, first = self._behind_window(rid, position)
         if first <= done:
             return
+        blocks = self.req_blocks[rid]
         self.pool.free_blocks(b for b in blocks[done:first] if b is not self.null_block)
         blocks[done:first] = [self.null_block] * (first - done)
         self._num_dropped[rid] = first

@@ -110,7 +110,7 @@ def make_bf16_copies(model: torch.nn.Module, min_rows: int) -> int:
     added = 0
     for name, module in model.named_modules():
         # A MoE expert sees only the rows routed to it (a few of a prompt's), and copies of every expert
-        # would cost gigabytes: experts stay on the packed kernel. The router stays float32, as routed.
+        # would cost gigabytes: experts stay on the packed kernel. The router routes from its float32 weights.
         if ".experts." in name or name.endswith(".mlp.gate"):
             continue
         if isinstance(module, Linear) and module.weight.dtype == torch.float32:

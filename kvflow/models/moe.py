@@ -3,8 +3,8 @@ MLP output is their outputs weighted by the router's probabilities.
 
 Each expert is a gated MLP of its own (models/llama.MLP), so expert weights load, pack and run like any
 other layer's. A step runs each expert once, on the rows routed to it: decode reads only the experts its
-tokens chose. The routing is float32 (as transformers computes it) and a row's sum over its experts runs
-in expert order, so a token's result does not depend on the other tokens in its step.
+tokens chose. The routing runs in float64 (see route) and a row's sum over its experts runs in expert
+order, so a token's result does not depend on the other tokens in its step.
 """
 
 from __future__ import annotations

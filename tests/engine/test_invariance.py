@@ -16,7 +16,7 @@ greedy token of one prompt here. The packed kernels compute each row independent
 from __future__ import annotations
 
 import pytest
-from engine_helpers import GREEDY_32, PROMPTS, greedy_tokens, make_llm
+from engine_helpers import GREEDY_32, PROMPTS, greedy_tokens, llm_builder
 
 TARGET = PROMPTS[0]
 
@@ -39,11 +39,7 @@ def variant(request):
 @pytest.fixture(scope="module")
 def model(variant):
     loaded, options = variant
-
-    def build(**extra):
-        return make_llm(loaded, **{**options, **extra})
-
-    return build
+    return llm_builder(loaded, **options)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ batch, the chunking, the prefix cache or preemption."""
 from __future__ import annotations
 
 import pytest
-from engine_helpers import make_llm
+from engine_helpers import llm_builder
 
 from engine.test_invariance import (  # noqa: F401 - the tests and their fixture, run here on this module's model
     alone,
@@ -27,8 +27,4 @@ def tiny_moe(tiny_checkpoints):
 @pytest.fixture(scope="module")
 def model(tiny_moe):
     assert tiny_moe.plan.batch_invariant and tiny_moe.arch.num_experts == 4
-
-    def build(**extra):
-        return make_llm(tiny_moe, **{"kv_cache_memory": 16 << 20, **extra})
-
-    return build
+    return llm_builder(tiny_moe, kv_cache_memory=16 << 20)

@@ -5,7 +5,7 @@ capped scores), int4-packed, in the exact mode with a float16 cache."""
 from __future__ import annotations
 
 import pytest
-from engine_helpers import make_llm
+from engine_helpers import llm_builder
 
 from engine.test_invariance import (  # noqa: F401 - the tests and their fixture, run here on this module's models
     alone,
@@ -28,8 +28,4 @@ def windowed(request, tiny_checkpoints):
 def model(windowed):
     assert windowed.plan.batch_invariant
     assert {layer.self_attn.window for layer in windowed.model.layers} == {0, windowed.arch.sliding_window}
-
-    def build(**extra):
-        return make_llm(windowed, **{"kv_cache_dtype": "float16", "kv_cache_memory": 16 << 20, **extra})
-
-    return build
+    return llm_builder(windowed, kv_cache_dtype="float16", kv_cache_memory=16 << 20)

@@ -5,7 +5,7 @@ runs it there)."""
 from __future__ import annotations
 
 import pytest
-from engine_helpers import make_llm
+from engine_helpers import llm_builder
 
 from engine.test_invariance import (  # noqa: F401 - the tests and their fixture, run here on this module's model
     alone,
@@ -27,8 +27,4 @@ def tiny_packed(tiny_checkpoints):
 @pytest.fixture(scope="module")
 def model(tiny_packed):
     assert tiny_packed.plan.batch_invariant
-
-    def build(**extra):
-        return make_llm(tiny_packed, **{"kv_cache_dtype": "float16", "kv_cache_memory": 16 << 20, **extra})
-
-    return build
+    return llm_builder(tiny_packed, kv_cache_dtype="float16", kv_cache_memory=16 << 20)

@@ -46,6 +46,23 @@ constexpr int32_t kPath = 1;
 using kvflow::packed::kBlock;
 using kvflow::packed::Rows;
 
+namespace {
+
+// Rows [0, rows) of x (x_stride apart) quantized per block of the weight's into digits and block
+// statistics, as every entry point below quantizes its inputs.
+void quantize_inputs(const float* x, int64_t x_stride, int rows, int64_t k, int block, bool eight, int8_t* hi,
+                     int8_t* lo, float* scale, float* sum) {
+  const int64_t nb = k / block;
+  for (int r = 0; r < rows; ++r) {
+    if (eight)
+      Kernel::quantize_row8(x + r * x_stride, k, block, hi + r * k, scale + r * nb, sum + r * nb);
+    else
+      Kernel::quantize_row(x + r * x_stride, k, block, hi + r * k, lo + r * k, scale + r * nb, sum + r * nb);
+  }
+}
+
+}  // namespace
+
 extern "C" int32_t kvflow_packed_matmul_path(void) {
 #if defined(KVFLOW_HAVE_AMX)
   return kvflow::amx_permitted() ? 5 : kPath;
@@ -78,12 +95,7 @@ extern "C" int32_t kvflow_packed_matmul(const KvflowPackedWeight* w, const float
   int8_t* lo = hi + static_cast<size_t>(padded) * w->k;
   float* scale = block_stats.data();
   float* sum = scale + static_cast<size_t>(padded) * nb;
-  for (int r = 0; r < m; ++r) {
-    if (eight)
-      Kernel::quantize_row8(x + r * x_stride, w->k, block, hi + r * w->k, scale + r * nb, sum + r * nb);
-    else
-      Kernel::quantize_row(x + r * x_stride, w->k, block, hi + r * w->k, lo + r * w->k, scale + r * nb, sum + r * nb);
-  }
+  quantize_inputs(x, x_stride, m, w->k, block, eight, hi, lo, scale, sum);
   for (int r = m; r < padded; ++r) {  // rows a tile reads but nobody uses: zeros, not stale bytes
     std::memset(hi + r * w->k, 0, w->k);
     std::memset(lo + r * w->k, 0, w->k);
@@ -134,12 +146,7 @@ extern "C" int32_t kvflow_packed_matmul_many(const KvflowPackedWeight* w, int32_
   int8_t* lo = hi + static_cast<size_t>(inputs) * k;
   float* scale = block_stats.data();
   float* sum = scale + static_cast<size_t>(inputs) * nb;
-  for (int r = 0; r < inputs; ++r) {
-    if (eight)
-      Kernel::quantize_row8(x + r * x_stride, k, block, hi + r * k, scale + r * nb, sum + r * nb);
-    else
-      Kernel::quantize_row(x + r * x_stride, k, block, hi + r * k, lo + r * k, scale + r * nb, sum + r * nb);
-  }
+  quantize_inputs(x, x_stride, inputs, k, block, eight, hi, lo, scale, sum);
   const Rows all{hi, eight ? nullptr : lo, k, scale, sum, nb};
   // Column groups of every weight, end to end: each thread takes one contiguous share of them.
   thread_local std::vector<int64_t> first_group;

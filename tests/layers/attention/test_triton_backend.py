@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+# Triton comes with CUDA builds of torch; the CPU build CI installs has none, so these skip there.
+# benchmarks/gpu_check.sh runs them where a GPU is lent.
 pytest.importorskip("triton", reason="the Triton kernels need the triton package")
 
 from paged_batch import DEVICE  # noqa: E402
