@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvflow.structured.spec import StructuredOutput
+
 
 @dataclass
 class SamplingParams:
@@ -24,6 +26,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k: the chosen token's logprob plus the top k alternatives
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_output: StructuredOutput | None = None  # a JSON schema, regex, choice or grammar to match
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,6 +71,8 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be non-negative integers")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "must be an integer in [0, 20]")
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise bad("structured_output", "must be a kvflow.structured.spec.StructuredOutput")
 
     @property
     def greedy(self) -> bool:

@@ -23,8 +23,19 @@ from kvflow.executors.model_setup import LoadedModel, load_model, set_threads
 from kvflow.layers.sampler import Sampler, SamplingRow, make_generator
 from kvflow.outputs import Logprob, RequestOutput
 from kvflow.sampling_params import SamplingParams
+from kvflow.structured.compiler import GrammarCompiler
+from kvflow.structured.json_state import JsonStringState
+from kvflow.structured.masks import closing_cost
 
 log = logging.getLogger("kvflow")
+
+# A structured-output request near its token budget is steered to close what it has open (a small model
+# can repeat itself inside a string until the budget runs out): once WRAP_UP_WATCH_TOKENS are left, it
+# starts when what closing costs plus WRAP_UP_MARGIN_TOKENS reaches what is left, and with
+# WRAP_UP_MIN_TOKENS left it always does.
+WRAP_UP_WATCH_TOKENS = 160
+WRAP_UP_MARGIN_TOKENS = 8
+WRAP_UP_MIN_TOKENS = 4
 
 
 class LLMEngine:
@@ -49,6 +60,15 @@ class LLMEngine:
         self._trace = open(config.trace_file, "a") if config.trace_file else None  # noqa: SIM115
         self._counter = 0
         self.num_steps = 0
+        self._grammars: GrammarCompiler | None = None
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Compiles structured-output constraints for this model's tokenizer (built on first use)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.loaded.arch.vocab_size,
+                                             self.eos_token_ids[0] if self.eos_token_ids else None)
+        return self._grammars
 
     # ---- requests --------------------------------------------------------------------------------------
     def _eos_ids(self) -> list[int]:
@@ -81,6 +101,8 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self._check_prompt(token_ids, params)
+        if params.structured_output is not None:
+            self.grammars.compile(params.structured_output)  # a GrammarError (ValueError) before queueing
         group = RequestGroup(request_id, text, token_ids, params, children_to_fork=params.n - 1)
         first = self._new_sequence(group, 0, request_id if params.n == 1 else f"{request_id}#0", arrival_time)
         self.scheduler.add_request(first.request)  # raises ValueError if it can never fit the pool
@@ -126,7 +148,10 @@ class LLMEngine:
             generator=generator,
             logprobs=[] if params.logprobs is not None else None,
             cumulative_logprob=0.0 if params.logprobs is not None else None,
+            matcher=None if params.structured_output is None else self.grammars.matcher(params.structured_output),
         )
+        if params.structured_output is not None and params.structured_output.closes_like_json:
+            state.json_state = JsonStringState()
         group.sequences.append(state)
         return state
 
@@ -195,6 +220,12 @@ class LLMEngine:
         for j, seq in enumerate(owners):
             if seq.logprobs is not None:
                 self._record_logprobs(seq, result.token_ids[j], result.logprobs[j], result.top_logprobs[j])
+            if seq.matcher is not None and result.token_ids[j] not in rows[j].end_token_ids:
+                if seq.json_state is not None:
+                    seq.json_state.feed(self.grammars.token_texts[result.token_ids[j]])
+                if not seq.matcher.consume_token(result.token_ids[j]):
+                    log.warning("request %s: its grammar refused token %d: %s", seq.request.request_id,
+                                result.token_ids[j], seq.matcher.get_error())
         return {seq.request.request_id: [result.token_ids[j]] for j, seq in enumerate(owners)}, touched
 
     def _fork_children(self, sched: SchedulerOutput, group: RequestGroup, parent: SequenceState) -> list:
@@ -221,11 +252,32 @@ class LLMEngine:
         req = seq.request
         params = req.sampling_params
         suppress: list[int] = []
+        ends = list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids)
         if req.num_output_tokens < params.min_tokens:
-            suppress = list(params.stop_token_ids)
-            if not params.ignore_eos:
-                suppress += self.eos_token_ids
-        return SamplingRow(params, req.prompt_token_ids, req.output_token_ids, seq.generator, suppress)
+            suppress = ends
+        if seq.matcher is None:
+            return SamplingRow(params, req.prompt_token_ids, req.output_token_ids, seq.generator, suppress)
+        closing = self.grammars.closing_tokens if self._wrapping_up(seq) else None
+        return SamplingRow(params, req.prompt_token_ids, req.output_token_ids, seq.generator, suppress,
+                           seq.matcher, ends, closing, seq.json_state is not None and seq.json_state.in_string)
+
+    def _wrapping_up(self, seq: SequenceState) -> bool:
+        """Whether a constrained request must start closing what it has open to end within its budget.
+        Once near the end, the cost of closing is measured by walking a copy of its grammar state, and
+        measured again when half the slack it left is used up."""
+        req = seq.request
+        if seq.wrap_up or req.max_tokens is None or seq.json_state is None:
+            return seq.wrap_up
+        left = req.max_tokens - req.num_output_tokens
+        if left <= WRAP_UP_MIN_TOKENS:
+            seq.wrap_up = True
+        elif left <= WRAP_UP_WATCH_TOKENS and req.num_output_tokens >= seq.next_wrap_up_check:
+            cost = closing_cost(seq.matcher, seq.json_state, self.grammars.closing_ids, self.grammars.token_texts,
+                                left)
+            slack = left - cost - WRAP_UP_MARGIN_TOKENS
+            seq.wrap_up = slack <= 0
+            seq.next_wrap_up_check = req.num_output_tokens + max(WRAP_UP_MIN_TOKENS, slack // 2)
+        return seq.wrap_up
 
     def _record_logprobs(self, seq: SequenceState, token: int, lp: float | None, top) -> None:
         entry: dict[int, Logprob] = {}
@@ -247,6 +299,9 @@ class LLMEngine:
         seq.delta_text += result.text_delta
         if result.finished and not request.is_finished:
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, result.stop_string)
+        elif seq.matcher is not None and not request.is_finished and seq.matcher.is_stopped():
+            # The grammar can take nothing more (a complete JSON value): the request is done.
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, None)
         if request.is_finished:
             if not result.finished:
                 seq.delta_text += seq.detokenizer.flush()

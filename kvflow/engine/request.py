@@ -140,6 +140,10 @@ class SequenceState:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     num_processed: int = 0  # output tokens already detokenized
+    matcher: object | None = None  # grammar state for structured output (llguidance), fed every output token
+    wrap_up: bool = False  # near its budget: held to tokens that close its JSON (engine._wrapping_up)
+    next_wrap_up_check: int = 0  # the output length at which to measure again what closing it would cost
+    json_state: object | None = None  # for a JSON schema: whether its output stands inside a string
 
     def completion(self) -> CompletionOutput:
         return CompletionOutput(

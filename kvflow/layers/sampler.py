@@ -1,6 +1,6 @@
 """Sampler: one batch of logits [B, V] -> one token per row (+ logprobs), each row with its own params.
 
-Order per row: penalties, min_tokens suppression, then greedy rows take the argmax; the others go through
+Order per row: penalties, min_tokens suppression, the grammar's mask (structured output), then greedy rows take the argmax; the others go through
 temperature, top-k / top-p, min-p and an exponential race (argmax of probs / q, q ~ Exp(1)), which draws
 a token with exactly the filtered probabilities. Seeded rows draw q from their own generator, so their
 tokens do not depend on what else is in the batch. Logprobs are taken from the raw logits given.
@@ -9,6 +9,7 @@ tokens do not depend on what else is in the batch. Logprobs are taken from the r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -16,6 +17,7 @@ import torch
 from kvflow.layers.logit_filters import apply_min_p, apply_top_k_top_p
 from kvflow.layers.penalties import apply_penalties, suppress_tokens
 from kvflow.sampling_params import SamplingParams
+from kvflow.structured.masks import apply_masks, mask_words, unpack_allowed, wrap_up
 
 # Below this, dividing by the temperature only risks overflow; the distribution is a point mass anyway.
 MIN_TEMPERATURE = 1e-5
@@ -30,6 +32,10 @@ class SamplingRow:
     output_token_ids: list[int]
     generator: torch.Generator | None = None  # made once per seeded request and kept across steps
     suppress_token_ids: list[int] = field(default_factory=list)  # masked while below min_tokens
+    matcher: Any = None  # the request's grammar state (an llguidance matcher) for structured output
+    end_token_ids: list[int] = field(default_factory=list)  # tokens that end it, allowed where its grammar may end
+    closing_tokens: np.ndarray | None = None  # near its token budget: compiler.closing_tokens, else None
+    in_string: bool = False  # its JSON output stands inside a string (structured/json_state.py)
 
 
 @dataclass
@@ -64,6 +70,10 @@ class Sampler:
             )
         if any(r.suppress_token_ids for r in rows):
             logits = suppress_tokens(logits, [r.suppress_token_ids for r in rows])
+        constrained = [i for i, r in enumerate(rows) if r.matcher is not None]
+        if constrained:
+            with torch.inference_mode():  # masks are written into the runner's logits (inference tensors)
+                logits = _apply_grammars(logits, rows, constrained)
 
         greedy = [is_greedy(p) for p in params]
         sampled_rows = [i for i, g in enumerate(greedy) if not g]
@@ -80,6 +90,47 @@ class Sampler:
         if raw_logprobs is None:
             return SamplerOutput(token_ids, [None] * len(rows), [None] * len(rows))
         return SamplerOutput(token_ids, *_gather_logprobs(raw_logprobs, logprob_rows, tokens, rows))
+
+
+def _apply_grammars(logits: torch.Tensor, rows: list[SamplingRow], constrained: list[int]) -> torch.Tensor:
+    words = mask_words([rows[i].matcher for i in constrained], logits.shape[1])
+    masked, allowed_rows = [], []
+    for j, i in enumerate(constrained):
+        row = rows[i]
+        if _takes_its_own_choice(logits[i], row, words[j]):
+            continue
+        allowed = unpack_allowed(words[j], logits.shape[1], row.matcher, row.end_token_ids)
+        if row.suppress_token_ids:  # min_tokens hides the end for now
+            allowed[row.suppress_token_ids] = False
+        if row.closing_tokens is not None:
+            allowed = wrap_up(allowed, row.closing_tokens, row.end_token_ids, row.in_string)
+        if not allowed.any():  # the grammar is done, or min_tokens hides its ending: end the request
+            ends = row.end_token_ids or [0]
+            allowed[ends] = True
+            apply_masks(logits, [i], allowed[None])
+            logits[i, ends] = 0.0
+            continue
+        if is_greedy(row.params):  # only its best allowed token matters: make that the row's maximum
+            choices = np.flatnonzero(allowed)
+            values = logits[i].numpy()[choices] if logits.device.type == "cpu" else logits[i, torch.from_numpy(choices)]
+            logits[i, int(choices[int(values.argmax())])] = float("inf")
+            continue
+        masked.append(i)
+        allowed_rows.append(allowed)
+    if masked:
+        apply_masks(logits, masked, np.stack(allowed_rows))
+    return logits
+
+
+def _takes_its_own_choice(logits: torch.Tensor, row: SamplingRow, words: np.ndarray) -> bool:
+    """A greedy row whose grammar allows the token it would pick anyway needs no mask written into its
+    logits: the masked argmax is that same token, and reading one bit costs far less than applying a mask."""
+    if not is_greedy(row.params) or row.closing_tokens is not None or row.suppress_token_ids:
+        return False
+    token = int(logits.numpy().argmax()) if logits.device.type == "cpu" else int(logits.argmax())
+    if token in row.end_token_ids:
+        return row.matcher.is_accepting()
+    return bool((int(words[token >> 5]) >> (token & 31)) & 1)
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvflow import __version__
 from kvflow.engine.async_engine import AsyncEngine
-from kvflow.server import ollama_api, openai_api
+from kvflow.server import ollama_api, openai_api, openapi
 from kvflow.server.errors import APIError, error_response
 from kvflow.server.metrics import CONTENT_TYPE
 from kvflow.server.middleware import APIKeyMiddleware
@@ -34,7 +35,9 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         yield
         engine.shutdown()
 
-    app = FastAPI(title="kvflow", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="kvflow", version=__version__, lifespan=lifespan, docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json")
+    openapi.install(app)
     app.state.kvflow = state
     app.include_router(openai_api.router)
     app.include_router(ollama_api.router)

@@ -9,17 +9,22 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
 
 from kvflow import __version__
 from kvflow.engine.async_engine import EngineDeadError, RequestStream
 from kvflow.outputs import RequestOutput
+from kvflow.server import openapi
+from kvflow.server.chat_prompt import prepare_chat
 from kvflow.server.ollama_protocol import ChatRequest, GenerateRequest, ShowRequest
 from kvflow.server.serving import (
     ServerState,
     abort_on_disconnect,
+    check_constraint,
     collect,
     get_state,
     parse_body,
@@ -27,7 +32,9 @@ from kvflow.server.serving import (
     request_timings,
     submit,
     timing_headers,
+    validation_error,
 )
+from kvflow.server.tool_calls import HERMES, ToolCall, ToolCallParser
 
 router = APIRouter()
 
@@ -57,7 +64,7 @@ def _final_fields(out: RequestOutput, started_ns: int) -> dict:
     }
 
 
-@router.post("/api/generate")
+@router.post("/api/generate", openapi_extra=openapi.body(GenerateRequest))
 async def generate(request: Request):
     started = time.monotonic_ns()
     state = get_state(request)
@@ -65,6 +72,7 @@ async def generate(request: Request):
     state.check_model(body.model)
     body.check()
     params = body.sampling_params()
+    check_constraint(state, params, "format")
     if not body.prompt:  # Ollama's way to load a model: answer at once
         return {"model": state.model_name, "created_at": _now_iso(), "response": "", "done": True,
                 "done_reason": "load"}
@@ -85,7 +93,7 @@ async def generate(request: Request):
     return await _respond(request, state, body.stream, streams, piece, final)
 
 
-@router.post("/api/chat")
+@router.post("/api/chat", openapi_extra=openapi.body(ChatRequest))
 async def chat(request: Request):
     started = time.monotonic_ns()
     state = get_state(request)
@@ -94,39 +102,77 @@ async def chat(request: Request):
     body.check()
     params = body.sampling_params()
 
-    def piece(text: str) -> dict:
-        return {"model": state.model_name, "created_at": _now_iso(),
-                "message": {"role": "assistant", "content": text}, "done": False}
+    def piece(text: str, calls: list[ToolCall] | None = None) -> dict:
+        message: dict = {"role": "assistant", "content": text}
+        if calls:  # Ollama gives arguments as an object
+            message["tool_calls"] = [{"function": {"name": c.name, "arguments": _arguments(c)}} for c in calls]
+        return {"model": state.model_name, "created_at": _now_iso(), "message": message, "done": False}
 
     if not body.messages:  # loads the model in Ollama
         return {**piece(""), "done": True, "done_reason": "load"}
-    prompt = render_chat(state.tokenizer, [m.as_template_dict() for m in body.messages])
-    streams = await submit(state, [prompt], params, f"ollama-chat-{uuid.uuid4().hex}")
+    try:
+        openai_body = body.as_openai()
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    openai_body.validate_request()
+    chat_prompt = prepare_chat(state.tokenizer, openai_body)
+    params = replace(params, structured_output=chat_prompt.constraint,
+                     skip_special_tokens=chat_prompt.tool_format in (None, HERMES))
+    check_constraint(state, params, "tools" if chat_prompt.constraint_field == "tools" else "format")
+    streams = await submit(state, [chat_prompt.prompt], params, f"ollama-chat-{uuid.uuid4().hex}")
 
-    def final(out: RequestOutput, text: str) -> dict:
-        return {**piece(text), **_final_fields(out, started)}
+    def final(out: RequestOutput, text: str, calls: list[ToolCall] | None = None) -> dict:
+        return {**piece(text, calls), **_final_fields(out, started)}
 
-    return await _respond(request, state, body.stream, streams, piece, final)
+    return await _respond(request, state, body.stream, streams, piece, final, chat_prompt.tool_format)
 
 
-async def _respond(request: Request, state: ServerState, stream: bool, streams: list[RequestStream], piece, final):
+def _arguments(call: ToolCall):
+    try:
+        return json.loads(call.arguments)
+    except json.JSONDecodeError:
+        return call.arguments
+
+
+async def _respond(request: Request, state: ServerState, stream: bool, streams: list[RequestStream], piece, final,
+                   tool_format: str | None = None):
     if not stream:
         (out,) = await collect(request, streams)
-        doc = final(out, out.outputs[0].text)
+        if tool_format is None:
+            doc = final(out, out.outputs[0].text)
+        else:
+            parser = ToolCallParser(tool_format)
+            first, rest = parser.feed(out.outputs[0].text), parser.finish()
+            doc = final(out, first.content + rest.content, first.calls + rest.calls)
         return JSONResponse(doc, headers=timing_headers(doc["kvflow_timings"]))
-    return StreamingResponse(_lines(request, streams, piece, final), media_type=NDJSON)
+    return StreamingResponse(_lines(request, streams, piece, final, tool_format), media_type=NDJSON)
 
 
-async def _lines(request: Request, streams: list[RequestStream], piece, final) -> AsyncIterator[str]:
+async def _lines(request: Request, streams: list[RequestStream], piece, final, tool_format: str | None
+                 ) -> AsyncIterator[str]:
+    """NDJSON lines; with tools, content as the parser lets it through and each call in a line of its own
+    once complete (Ollama sends calls whole, arguments as an object)."""
     (stream,) = streams
+    parser = ToolCallParser(tool_format) if tool_format is not None else None
     async with abort_on_disconnect(request, streams):
         try:
             async for out in stream:
                 delta = out.outputs[0].delta_text
+                calls: list[ToolCall] = []
+                if parser is not None:
+                    parsed = parser.feed(delta)
+                    if out.finished:
+                        rest = parser.finish()
+                        parsed.content += rest.content
+                        parsed.calls += rest.calls
+                    delta, calls = parsed.content, parsed.calls
                 if out.finished:
+                    if calls:
+                        yield json.dumps(piece(delta, calls)) + "\n"
+                        delta = ""
                     yield json.dumps(final(out, delta)) + "\n"
-                elif delta:
-                    yield json.dumps(piece(delta)) + "\n"
+                elif delta or calls:
+                    yield json.dumps(piece(delta, calls)) + "\n"
         except EngineDeadError as exc:
             yield json.dumps({"error": str(exc)}) + "\n"
 
@@ -176,7 +222,7 @@ async def tags(request: Request) -> dict:
     }]}
 
 
-@router.post("/api/show")
+@router.post("/api/show", openapi_extra=openapi.body(ShowRequest))
 async def show(request: Request) -> dict:
     state = get_state(request)
     body = await parse_body(request, ShowRequest)
@@ -195,7 +241,7 @@ async def show(request: Request) -> dict:
             f"{family}.attention.head_count": arch.num_heads,
             f"{family}.attention.head_count_kv": arch.num_kv_heads,
         },
-        "capabilities": ["completion"], "modified_at": _modified_at(state),
+        "capabilities": ["completion", "tools"], "modified_at": _modified_at(state),
     }
 
 

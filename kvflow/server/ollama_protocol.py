@@ -3,16 +3,20 @@
 Sampling defaults are Ollama's (temperature 0.8, top_k 40, top_p 0.9, repeat_penalty 1.1, unlimited
 num_predict). Options that only tune resources (threads, GPUs, batch, mmap...) are accepted and have no
 effect, since kvflow sizes those at start; options that would change the output and are not implemented
-(mirostat, typical_p...) are refused, as are images, tools, templates, formats and context."""
+(mirostat, typical_p...) are refused, as are images, templates and context. `format` ("json" or a JSON
+schema) and `tools` map onto the OpenAI request's response_format and tools (ChatRequest.as_openai)."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
 from kvflow.sampling_params import SamplingParams
 from kvflow.server.errors import bad_request, from_value_error
+from kvflow.structured.spec import StructuredOutput
 
 _OPTION_NAMES = {  # SamplingParams field -> Ollama option
     "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
@@ -76,8 +80,8 @@ class _OllamaRequest(Strict):
     top_logprobs: int | None = None
 
     def check_common(self) -> None:
-        if self.format:
-            raise bad_request("format is not supported", "format")
+        if self.format is not None and self.format != "json" and not isinstance(self.format, dict):
+            raise bad_request('format must be "json" or a JSON schema', "format")
         if self.think:
             raise bad_request("think is not supported", "think")
         if self.logprobs or self.top_logprobs:
@@ -85,7 +89,19 @@ class _OllamaRequest(Strict):
 
     def sampling_params(self) -> SamplingParams:
         self.check_common()
-        return (self.options or Options()).sampling_params()
+        params = (self.options or Options()).sampling_params()
+        schema = self.format_schema()
+        if schema is None:
+            return params
+        try:
+            return replace(params, structured_output=StructuredOutput(json=schema))
+        except ValueError as exc:
+            raise bad_request(str(exc), "format", "invalid_schema") from None
+
+    def format_schema(self) -> dict | None:
+        if self.format == "json":
+            return {"type": "object"}
+        return self.format if isinstance(self.format, dict) else None
 
 
 class GenerateRequest(_OllamaRequest):
@@ -105,27 +121,47 @@ class GenerateRequest(_OllamaRequest):
             raise bad_request("system cannot be used with raw", "system")
 
 
-class Message(Strict):
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # clients send back fields of their own; none changes the output
     role: str
     content: str = ""
     images: list[str] | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[dict] | None = None
     tool_name: str | None = None
     thinking: str | None = None
 
-    def as_template_dict(self) -> dict:
-        if self.images or self.tool_calls:
-            raise bad_request("images and tool calls are not supported", "messages")
-        return {"role": self.role, "content": self.content}
+    def as_openai(self) -> dict:
+        if self.images:
+            raise bad_request("images are not supported", "messages")
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:  # Ollama gives arguments as an object; OpenAI as JSON text
+            message["tool_calls"] = [{"type": "function", "function": {
+                "name": (c.get("function") or {}).get("name", ""),
+                "arguments": json.dumps((c.get("function") or {}).get("arguments", {}), ensure_ascii=False),
+            }} for c in self.tool_calls]
+        if self.tool_name:
+            message["name"] = self.tool_name
+        return message
 
 
 class ChatRequest(_OllamaRequest):
     messages: list[Message] = []
-    tools: list[Any] | None = None
+    tools: list[dict] | None = None
 
     def check(self) -> None:
+        pass
+
+    def as_openai(self):
+        """The same chat as an OpenAI request, so one path renders tools and builds the answer's grammar."""
+        from kvflow.server.protocol import ChatCompletionRequest
+
+        body: dict[str, Any] = {"messages": [m.as_openai() for m in self.messages]}
         if self.tools:
-            raise bad_request("tools are not supported", "tools")
+            body["tools"] = self.tools
+        schema = self.format_schema()
+        if schema is not None:
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "format", "schema": schema}}
+        return ChatCompletionRequest.model_validate(body)
 
 
 class ShowRequest(Strict):

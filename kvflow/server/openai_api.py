@@ -7,25 +7,29 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvflow.engine.async_engine import EngineDeadError, RequestStream
 from kvflow.outputs import CompletionOutput, Logprob, RequestOutput
+from kvflow.server import openapi
+from kvflow.server.chat_prompt import prepare_chat
 from kvflow.server.errors import APIError
 from kvflow.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from kvflow.server.serving import (
     abort_on_disconnect,
+    check_constraint,
     collect,
     get_state,
     iterate,
     parse_body,
-    render_chat,
     request_timings,
     submit,
     timing_headers,
 )
+from kvflow.server.tool_calls import HERMES, ToolCallParser
 
 router = APIRouter()
 
@@ -41,12 +45,13 @@ async def list_models(request: Request) -> dict:
     }]}
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=openapi.body(CompletionRequest))
 async def create_completion(request: Request):
     state = get_state(request)
     body = await parse_body(request, CompletionRequest)
     state.check_model(body.model)
     params = body.validate_request()
+    check_constraint(state, params, body.structured_output()[1])
     prompts = body.prompts()
     echo_texts = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in prompts] if body.echo else []
     rid = f"cmpl-{uuid.uuid4().hex}"
@@ -67,28 +72,44 @@ async def create_completion(request: Request):
     return _json_with_timings({**head, "choices": choices, "usage": usage(finals), "system_fingerprint": None})
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=openapi.body(ChatCompletionRequest))
 async def create_chat_completion(request: Request):
     state = get_state(request)
     body = await parse_body(request, ChatCompletionRequest)
     state.check_model(body.model)
     params = body.validate_request()
-    prompt = render_chat(state.tokenizer, [m.as_template_dict() for m in body.messages])
+    chat = prepare_chat(state.tokenizer, body)
+    params = replace(params, structured_output=chat.constraint,
+                     skip_special_tokens=params.skip_special_tokens and chat.tool_format in (None, HERMES))
+    check_constraint(state, params, chat.constraint_field)
+    prompt = chat.prompt
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await submit(state, [prompt], params, rid)
     head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name}
     k = body.top_logprobs or 0
     if body.stream:
         head["object"] = "chat.completion.chunk"
-        events = _chat_events(request, body, streams, head)
+        events = _chat_events(request, body, streams, head, chat.tool_format)
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
     (final,) = await collect(request, streams)
-    choices = [{
-        "index": c.index,
-        "message": {"role": "assistant", "content": c.text, "refusal": None},
-        "logprobs": chat_logprobs(c.token_ids, c.logprobs or [], k) if body.logprobs else None,
-        "finish_reason": c.finish_reason,
-    } for c in final.outputs]
+    choices = []
+    for c in final.outputs:
+        message: dict = {"role": "assistant", "content": c.text, "refusal": None}
+        finish = c.finish_reason
+        if chat.tool_format is not None:
+            parser = ToolCallParser(chat.tool_format)
+            parsed = parser.feed(c.text)
+            rest = parser.finish()
+            content, calls = parsed.content + rest.content, parsed.calls + rest.calls
+            if calls:
+                message.update(content=content if content.strip() else None,
+                               tool_calls=[call.openai() for call in calls])
+                finish = "tool_calls" if finish == "stop" else finish
+        choices.append({
+            "index": c.index, "message": message,
+            "logprobs": chat_logprobs(c.token_ids, c.logprobs or [], k) if body.logprobs else None,
+            "finish_reason": finish,
+        })
     return _json_with_timings({**head, "choices": choices, "usage": usage([final]), "system_fingerprint": None})
 
 
@@ -170,10 +191,12 @@ async def _completion_events(
 
 
 async def _chat_events(
-    request: Request, body: ChatCompletionRequest, streams: Sequence[RequestStream], head: dict
+    request: Request, body: ChatCompletionRequest, streams: Sequence[RequestStream], head: dict,
+    tool_format: str | None,
 ) -> AsyncIterator[str]:
     tail = {"usage": None} if body.include_usage else {}
     k = body.top_logprobs or 0
+    parsers: dict[int, _StreamedCalls] = {}
     for j in range(body.n):  # the first chunk of every choice names the role
         choice = {"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None}
@@ -183,10 +206,46 @@ async def _chat_events(
             yield item
             continue
         index, c, ids, entries, _ = item
-        delta = {"content": c.delta_text} if c.delta_text else {}
         lp = chat_logprobs(ids, entries, k) if body.logprobs else None
-        choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason}
-        yield sse({**head, "choices": [choice], **tail})
+        if tool_format is None:
+            delta = {"content": c.delta_text} if c.delta_text else {}
+            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason}
+            yield sse({**head, "choices": [choice], **tail})
+            continue
+        calls = parsers.setdefault(index, _StreamedCalls(tool_format))
+        for delta, finish in calls.deltas(c.delta_text, c.finish_reason):
+            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            lp = None  # a token's logprobs go with the first chunk its text is in
+            yield sse({**head, "choices": [choice], **tail})
+
+
+class _StreamedCalls:
+    """One streamed choice that may call tools: content deltas as the parser lets text through, and each
+    call as OpenAI streams it (a chunk with its index, id and name, then one with its arguments)."""
+
+    def __init__(self, tool_format: str) -> None:
+        self.parser = ToolCallParser(tool_format)
+        self.sent_calls = 0
+
+    def deltas(self, text: str, finish_reason: str | None) -> list[tuple[dict, str | None]]:
+        parsed = self.parser.feed(text) if text else None
+        out = self._emit(parsed) if parsed else []
+        if finish_reason is None:
+            return out or ([({}, None)] if text == "" else [])
+        out += self._emit(self.parser.finish())
+        finish = "tool_calls" if self.sent_calls and finish_reason == "stop" else finish_reason
+        return [*out, ({}, finish)]
+
+    def _emit(self, parsed) -> list[tuple[dict, str | None]]:
+        out: list[tuple[dict, str | None]] = []
+        if parsed.content:
+            out.append(({"content": parsed.content}, None))
+        for call in parsed.calls:
+            index, self.sent_calls = self.sent_calls, self.sent_calls + 1
+            head = {"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+            out.append(({"tool_calls": [head]}, None))
+            out.append(({"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]}, None))
+        return out
 
 
 # ---- response pieces -------------------------------------------------------------------------

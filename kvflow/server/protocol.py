@@ -3,12 +3,18 @@ are accepted only when they would change nothing (user, metadata...), and refuse
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from kvflow.sampling_params import SamplingParams
+from kvflow.server.chat_tools import Tool, named_choice
 from kvflow.server.errors import bad_request, from_value_error
+from kvflow.structured.spec import StructuredOutput
+
+log = logging.getLogger("kvflow")
+_ignored_fields_logged: set[str] = set()
 
 
 class Strict(BaseModel):
@@ -17,6 +23,46 @@ class Strict(BaseModel):
 
 class StreamOptions(Strict):
     include_usage: bool = False
+
+
+class Lenient(BaseModel):
+    """Parts of a message: fields kvflow does not know (clients send `refusal`, `annotations`, `audio` and
+    vendor fields back with the history) are ignored, and logged once per field name."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _log_ignored(self):
+        for name in (self.model_extra or {}):
+            key = f"{type(self).__name__}.{name}"
+            if key not in _ignored_fields_logged:
+                _ignored_fields_logged.add(key)
+                log.info("ignoring the field %r in %s (not used by kvflow)", name, type(self).__name__)
+        return self
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict | None = None
+
+    def schema(self) -> dict | None:
+        """The JSON schema it asks for (None for text)."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return {"type": "object"}
+        if not self.json_schema or "schema" not in self.json_schema:
+            return {"type": "object"}  # OpenAI allows a json_schema without a schema: any object
+        return self.json_schema["schema"]
+
+
+class StructuredOutputs(Strict):
+    """vLLM's `structured_outputs` (and its older `guided_*` fields): exactly one constraint."""
+
+    json: dict | str | bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class SamplingFields(Strict):
@@ -46,6 +92,35 @@ class SamplingFields(Strict):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
+    # structured output: OpenAI's response_format, vLLM's structured_outputs and guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured_output(self) -> tuple[StructuredOutput | None, str | None]:
+        """The request's output constraint and the field it came from (a 400 when it gives several)."""
+        found: list[tuple[str, StructuredOutput]] = []
+        try:
+            if self.response_format is not None and self.response_format.schema() is not None:
+                found.append(("response_format", StructuredOutput(json=self.response_format.schema())))
+            if self.structured_outputs is not None:
+                so = self.structured_outputs
+                found.append(("structured_outputs", StructuredOutput(json=so.json, regex=so.regex,
+                                                                     choice=so.choice, grammar=so.grammar)))
+            for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                               ("guided_grammar", "grammar")):
+                value = getattr(self, name)
+                if value is not None:
+                    found.append((name, StructuredOutput(**{kind: value})))
+        except ValueError as exc:
+            raise bad_request(str(exc), found[-1][0] if found else None, "invalid_schema") from None
+        if len(found) > 1:
+            raise bad_request(f"give one output constraint, not {len(found)} ({', '.join(n for n, _ in found)})",
+                              found[1][0])
+        return (found[0][1], found[0][0]) if found else (None, None)
 
     def check_common(self) -> None:
         if self.logit_bias:
@@ -59,6 +134,7 @@ class SamplingFields(Strict):
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         values: dict[str, Any] = dict(
             n=self.n, max_tokens=max_tokens, seed=self.seed, stop=self.stop,
+            structured_output=self.structured_output()[0],
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
@@ -115,32 +191,48 @@ class CompletionRequest(SamplingFields):
         return self.sampling_params(self.max_tokens, self.logprobs)
 
 
-class TextPart(Strict):
+class TextPart(Lenient):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(Strict):
+class RefusalPart(Lenient):
+    type: Literal["refusal"]
+    refusal: str
+
+
+class ToolCallFunction(Lenient):
+    name: str
+    arguments: str | dict = "{}"
+
+
+class ToolCallItem(Lenient):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | RefusalPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCallItem] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):  # a refusal part is what the model declined to say: no text
+            return "".join(part.text for part in self.content if isinstance(part, TextPart))
+        return self.content or ""
 
     def as_template_dict(self) -> dict:
-        content = self.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
         # Templates written before "developer" existed know it as "system".
         role = "system" if self.role == "developer" else self.role
-        message: dict[str, Any] = {"role": role, "content": content or ""}
+        message: dict[str, Any] = {"role": role, "content": self.text()}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
-
-
-class ResponseFormat(Strict):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -148,9 +240,8 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict | None = None
     parallel_tool_calls: bool | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -166,13 +257,7 @@ class ChatCompletionRequest(SamplingFields):
         self.check_common()
         if not self.messages:
             raise bad_request("messages must not be empty", "messages")
-        if self.tools:
-            raise bad_request("tools are not supported", "tools", "unsupported_parameter")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise bad_request("tool_choice is not supported", "tool_choice", "unsupported_parameter")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format",
-                              "unsupported_parameter")
+        self._check_tools()
         if self.store:
             raise bad_request("store is not supported", "store", "unsupported_parameter")
         if self.top_logprobs is not None and not self.logprobs:
@@ -182,3 +267,22 @@ class ChatCompletionRequest(SamplingFields):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self.sampling_params(max_tokens, logprobs)
+
+    def _check_tools(self) -> None:
+        names = [t.function.name for t in self.tools or []]
+        for i, name in enumerate(names):
+            if not name:
+                raise bad_request("a tool needs a function name", f"tools.{i}.function.name")
+        if len(set(names)) != len(names):
+            raise bad_request("two tools have the same name", "tools")
+        chosen = named_choice(self.tool_choice)
+        if (chosen is not None or self.tool_choice == "required") and not names:
+            raise bad_request("tool_choice requires tools", "tool_choice")
+        if chosen is not None and chosen not in names:
+            raise bad_request(f"tool_choice names the function {chosen!r}, which is not among the tools",
+                              "tool_choice")
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the answer may hold tool calls."""
+        return bool(self.tools) and self.tool_choice != "none"

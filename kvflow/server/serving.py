@@ -22,6 +22,7 @@ from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.server.errors import APIError, bad_request, from_value_error
 from kvflow.server.metrics import ServerMetrics
+from kvflow.structured.compiler import GrammarError
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -92,7 +93,7 @@ async def parse_body(request: Request, model: type[M]) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise _validation_error(exc) from None
+        raise validation_error(exc) from None
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
@@ -112,18 +113,30 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-def render_chat(tokenizer, messages: list[dict], param: str = "messages") -> str:
-    """The prompt text for messages, ending with the assistant's turn; a 400 when the template refuses them."""
+def render_chat(tokenizer, messages: list[dict], param: str = "messages", tools: list[dict] | None = None) -> str:
+    """The prompt text for messages (and tools, as transformers passes them to the template), ending with
+    the assistant's turn; a 400 when the template refuses them."""
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template, so it cannot chat; use the completions API",
                           param, "no_chat_template")
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     except Exception as exc:  # jinja2 raises TemplateError (or anything a template's raise_exception throws)
         raise bad_request(f"the chat template could not render these messages: {exc}", param) from None
 
 
-def _validation_error(exc: ValidationError) -> APIError:
+def check_constraint(state: ServerState, params: SamplingParams, field: str | None) -> None:
+    """A 400 naming `field` when the request's output constraint cannot be compiled (a bad schema, an
+    unsupported keyword, a bad regex); compiled grammars are cached, so the engine's own compile is a hit."""
+    if params.structured_output is None:
+        return
+    try:
+        state.engine.engine.grammars.compile(params.structured_output)
+    except GrammarError as exc:
+        raise bad_request(str(exc), field, "invalid_schema") from None
+
+
+def validation_error(exc: ValidationError) -> APIError:
     first = exc.errors()[0]
     loc = [str(part) for part in first["loc"]]
     # Unions report every branch; the field path is the part before the branch names.

@@ -24,3 +24,12 @@ def default_server():
     server = ServerProcess("--kv-cache-memory", "256MiB", "--dtype", "float32")
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def agent_server():
+    """The default model as `kvflow serve` runs it by default (the fast mode): for the structured-output,
+    tool-calling and agent-framework tests, which check validity rather than bitwise equality."""
+    server = ServerProcess("--kv-cache-memory", "256MiB")
+    yield server
+    server.stop()

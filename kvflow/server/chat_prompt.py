@@ -1,0 +1,71 @@
+"""A chat request made ready for the engine: its prompt (history, tools and earlier tool calls rendered by
+the chat template), the constraint its answer must meet (tool_choice, response_format), and how to read
+tool calls back out of the answer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvflow.server.chat_tools import (
+    history_tool_calls,
+    named_choice,
+    template_knows_tools,
+    tool_call_grammar,
+    with_tools_prompt,
+)
+from kvflow.server.protocol import ChatCompletionRequest
+from kvflow.server.serving import render_chat
+from kvflow.server.tool_calls import HERMES, MISTRAL, template_format
+from kvflow.structured.spec import StructuredOutput
+
+
+@dataclass
+class ChatPrompt:
+    prompt: str
+    constraint: StructuredOutput | None
+    constraint_field: str | None  # the request field a bad constraint is reported against
+    tool_format: str | None  # the tool-call format to parse the answer with; None: no tool calls
+
+
+def _special_ids(tokenizer, names: list[str]) -> dict[str, int]:
+    vocab = tokenizer.get_vocab()
+    special = set(getattr(tokenizer, "all_special_tokens", [])) | {
+        t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if getattr(t, "special", False)}
+    return {name: vocab[name] for name in names if name in vocab and name in special}
+
+
+def prepare_chat(tokenizer, body: ChatCompletionRequest) -> ChatPrompt:
+    template = getattr(tokenizer, "chat_template", None) or ""
+    fmt = template_format(template)
+    knows_tools = template_knows_tools(template)
+    messages = []
+    for m in body.messages:
+        message = m.as_template_dict()
+        if m.tool_calls:
+            calls, text = history_tool_calls([c.model_dump() for c in m.tool_calls], "tool_calls" in template)
+            if calls is not None:
+                message["tool_calls"] = calls
+            else:
+                message["content"] = "\n".join(t for t in (message["content"], text) if t)
+        messages.append(message)
+
+    tools = body.tools if body.calls_tools else None
+    template_tools = None
+    if tools and knows_tools:
+        template_tools = [t.template_dict() for t in tools]
+    elif tools:
+        messages, fmt = with_tools_prompt(messages, tools), HERMES  # kvflow describes the hermes format
+    prompt = render_chat(tokenizer, messages, tools=template_tools)
+
+    constraint, field = body.structured_output()
+    if tools:
+        chosen = named_choice(body.tool_choice)
+        parallel = body.parallel_tool_calls is not False and chosen is None
+        special = _special_ids(tokenizer, ["[TOOL_CALLS]"]) if fmt == MISTRAL else {}
+        if chosen is not None or body.tool_choice == "required":
+            picked = [t for t in tools if chosen is None or t.function.name == chosen]
+            return ChatPrompt(prompt, tool_call_grammar(picked, fmt, parallel, special), "tools", fmt)
+        if constraint is not None and constraint.json is not None:
+            # auto with a structured final answer: either calls or that JSON
+            return ChatPrompt(prompt, tool_call_grammar(tools, fmt, parallel, special, constraint.json), field, fmt)
+    return ChatPrompt(prompt, constraint, field, fmt if tools else None)
