@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvflow import __version__
 from kvflow.engine.async_engine import AsyncEngine
-from kvflow.server import ollama_api, openai_api, openapi
+from kvflow.server import anthropic_api, ollama_api, openai_api, openapi, responses_api
 from kvflow.server.errors import APIError, error_response
 from kvflow.server.metrics import CONTENT_TYPE
 from kvflow.server.middleware import APIKeyMiddleware
@@ -41,6 +41,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app.state.kvflow = state
     app.include_router(openai_api.router)
     app.include_router(ollama_api.router)
+    app.include_router(responses_api.router)
+    app.include_router(anthropic_api.router)
     _add_basic_routes(app)
     _add_error_handlers(app, state)
     # The key is checked before any route runs; the body's size limit as a route reads it (serving.read_body).

@@ -47,6 +47,10 @@ def prepare_chat(tokenizer, body: ChatCompletionRequest) -> ChatPrompt:
                 message["tool_calls"] = calls
             else:
                 message["content"] = "\n".join(t for t in (message["content"], text) if t)
+        if m.role == "tool" and not knows_tools:
+            # A template that ignores tools knows no tool role either: the result comes back the way the
+            # hermes format has it, in a user turn.
+            message = {"role": "user", "content": f"<tool_response>\n{message['content']}\n</tool_response>"}
         messages.append(message)
 
     tools = body.tools if body.calls_tools else None

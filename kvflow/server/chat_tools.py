@@ -54,7 +54,9 @@ def tools_system_text(tools: list[Tool]) -> str:
     return ("You may call functions to answer. They are described here, one JSON object per line:\n"
             + "\n".join(lines)
             + "\nTo call a function, answer with one block per call, exactly like this:\n"
-              '<tool_call>\n{"name": "the function name", "arguments": {the arguments as JSON}}\n</tool_call>')
+              '<tool_call>\n{"name": "the function name", "arguments": {the arguments as JSON}}\n</tool_call>\n'
+              "Each result comes back in a <tool_response> block. Once you have the results you need, "
+              "do not call the function again: give your answer.")
 
 
 def with_tools_prompt(messages: list[dict], tools: list[Tool]) -> list[dict]:

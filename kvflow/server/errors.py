@@ -50,6 +50,12 @@ class APIError(Exception):
     def openai_body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def anthropic_body(self) -> dict:
+        kind = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large",
+                503: "overloaded_error"}.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        message = f"{self.param}: {self.message}" if self.param and self.param not in self.message else self.message
+        return {"type": "error", "error": {"type": kind, "message": message}}
+
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param, code)
@@ -72,6 +78,12 @@ def from_value_error(exc: ValueError, param_names: dict[str, str] | None = None)
 
 
 def error_response(request: Request, error: APIError) -> JSONResponse:
-    ollama = request.url.path.startswith("/api/")
-    body = {"error": error.message} if ollama else error.openai_body()
+    """The error in the shape of the API the path belongs to: Ollama's, Anthropic's, or OpenAI's."""
+    path = request.url.path
+    if path.startswith("/api/"):
+        body = {"error": error.message}
+    elif path.startswith("/v1/messages"):
+        body = error.anthropic_body()
+    else:
+        body = error.openai_body()
     return JSONResponse(body, status_code=error.status, headers=error.headers)

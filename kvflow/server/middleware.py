@@ -22,7 +22,8 @@ async def _reject(scope: Scope, receive: Receive, send: Send, error: APIError, o
 
 
 class APIKeyMiddleware:
-    """401 unless `Authorization: Bearer KEY` (or Ollama-style `Authorization: KEY`) matches."""
+    """401 unless `Authorization: Bearer KEY` (or Ollama-style `Authorization: KEY`, or Anthropic-style
+    `x-api-key: KEY`) matches."""
 
     def __init__(self, app: ASGIApp, api_key: str, on_error: OnError) -> None:
         self.app, self.api_key, self.on_error = app, api_key, on_error
@@ -34,6 +35,8 @@ class APIKeyMiddleware:
         given = headers.get(b"authorization", b"").decode("latin-1").strip()
         if given.lower().startswith("bearer "):
             given = given[7:].strip()
+        if not given:  # Anthropic's clients send the key as x-api-key
+            given = headers.get(b"x-api-key", b"").decode("latin-1").strip()
         if not hmac.compare_digest(given.encode(), self.api_key.encode()):
             error = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.", None,
                              "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})

@@ -97,14 +97,24 @@ def closing_cost(matcher, state: JsonStringState, closing_ids: Sequence[np.ndarr
                  limit: int) -> int:
     """How many tokens wrapping up would take from this state (at most limit): copies of the matcher and
     the string state walk along wrap_up's choices, the lowest token id of the first kind that fits each
-    time, until the grammar may end. closing_ids: the token ids of compiler.closing_tokens' two rows."""
+    time (or the tokens the grammar forces), until the grammar may end. closing_ids: the token ids of compiler.closing_tokens' two rows."""
     walker, state = matcher.deep_copy(), state.copy()
     words = np.zeros((len(texts) + 31) // 32, dtype=np.uint32)
-    for steps in range(limit):
+    steps = 0
+    while steps < limit:
         if walker.is_accepting() or walker.is_error():
             return steps
+        forced = walker.compute_ff_tokens()  # text the grammar forces (a key, a tag), as it would be tokenized
+        if forced:
+            if not walker.consume_tokens(forced):
+                return steps
+            for token in forced:
+                state.feed(texts[token])
+            steps += len(forced)
+            continue
         token = _walk_choice(walker, words, closing_ids[:1] if state.in_string else closing_ids)
         if token is None or not walker.consume_token(token):
             return steps
         state.feed(texts[token])
+        steps += 1
     return limit

@@ -1,0 +1,104 @@
+"""Anthropic's Messages API (POST /v1/messages), so that clients written for it (the `anthropic` SDK,
+Claude Code pointed at a local server) can use kvflow: content blocks of text and tool_use, stop_reason,
+usage, and when streamed, its events (message_start, content_block_start/delta/stop, message_delta,
+message_stop). The request runs as a chat completion (anthropic_protocol.py)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kvflow.engine.async_engine import EngineDeadError
+from kvflow.outputs import RequestOutput
+from kvflow.server import openapi
+from kvflow.server.anthropic_protocol import MessagesRequest
+from kvflow.server.chat_run import answer_pieces, start_chat, whole_answer
+from kvflow.server.openai_api import SSE_HEADERS
+from kvflow.server.serving import get_state, parse_body, request_timings, timing_headers
+from kvflow.server.tool_calls import ToolCall
+
+router = APIRouter()
+
+
+def _stop_reason(out: RequestOutput, called: bool) -> str:
+    c = out.outputs[0]
+    if c.finish_reason == "length":
+        return "max_tokens"
+    if called:
+        return "tool_use"
+    return "stop_sequence" if isinstance(c.stop_reason, str) else "end_turn"
+
+
+def _tool_use(call: ToolCall) -> dict:
+    try:
+        arguments = json.loads(call.arguments)
+    except json.JSONDecodeError:
+        arguments = {}
+    return {"type": "tool_use", "id": call.id.replace("call_", "toolu_", 1), "name": call.name, "input": arguments}
+
+
+def _usage(out: RequestOutput) -> dict:
+    timings = request_timings([out])
+    return {"input_tokens": len(out.prompt_token_ids) - timings["cached_tokens"],
+            "cache_read_input_tokens": timings["cached_tokens"], "cache_creation_input_tokens": 0,
+            "output_tokens": len(out.outputs[0].token_ids), "kvflow_timings": timings}
+
+
+@router.post("/v1/messages", openapi_extra=openapi.body(MessagesRequest))
+async def create_message(request: Request):
+    state = get_state(request)
+    body = await parse_body(request, MessagesRequest)
+    state.check_model(body.model)
+    message_id = f"msg_{uuid.uuid4().hex}"
+    run = await start_chat(state, body.as_chat(), message_id)
+    head = {"id": message_id, "type": "message", "role": "assistant", "model": state.model_name}
+    if body.stream:
+        return StreamingResponse(_events(request, run, head), media_type="text/event-stream", headers=SSE_HEADERS)
+    answer = await whole_answer(request, run)
+    content = ([{"type": "text", "text": answer.content}] if answer.content.strip() or not answer.calls else [])
+    content += [_tool_use(call) for call in answer.calls]
+    stop = answer.output.outputs[0].stop_reason
+    doc = {**head, "content": content, "stop_reason": _stop_reason(answer.output, bool(answer.calls)),
+           "stop_sequence": stop if isinstance(stop, str) else None, "usage": _usage(answer.output)}
+    return JSONResponse(doc, headers=timing_headers(doc["usage"]["kvflow_timings"]))
+
+
+def _event(kind: str, **fields) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, ensure_ascii=False)}\n\n"
+
+
+async def _events(request: Request, run, head: dict) -> AsyncIterator[str]:
+    yield _event("message_start", message={**head, "content": [], "stop_reason": None, "stop_sequence": None,
+                                           "usage": {"input_tokens": 0, "output_tokens": 0}})
+    index, text_open, called = 0, False, False
+    try:
+        async for piece in answer_pieces(request, run):
+            if isinstance(piece, str):
+                if not text_open:
+                    yield _event("content_block_start", index=index, content_block={"type": "text", "text": ""})
+                    text_open = True
+                yield _event("content_block_delta", index=index, delta={"type": "text_delta", "text": piece})
+                continue
+            if text_open:
+                yield _event("content_block_stop", index=index)
+                index, text_open = index + 1, False
+            if isinstance(piece, ToolCall):
+                block = _tool_use(piece)
+                yield _event("content_block_start", index=index, content_block={**block, "input": {}})
+                yield _event("content_block_delta", index=index,
+                             delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
+                yield _event("content_block_stop", index=index)
+                index, called = index + 1, True
+            else:
+                stop = piece.outputs[0].stop_reason
+                usage = _usage(piece)
+                yield _event("message_delta", delta={"stop_reason": _stop_reason(piece, called),
+                                                     "stop_sequence": stop if isinstance(stop, str) else None},
+                             usage=usage)
+                yield _event("message_stop")
+    except EngineDeadError as exc:
+        yield _event("error", error={"type": "api_error", "message": str(exc)})
