@@ -271,9 +271,16 @@ class LLMEngine:
         left = req.max_tokens - req.num_output_tokens
         if left <= WRAP_UP_MIN_TOKENS:
             seq.wrap_up = True
-        elif left <= WRAP_UP_WATCH_TOKENS and req.num_output_tokens >= seq.next_wrap_up_check:
+        elif left > WRAP_UP_WATCH_TOKENS:
+            return False
+        elif seq.matcher.is_accepting() and left <= seq.peak_closing_cost + WRAP_UP_MARGIN_TOKENS:
+            # It could end here, and what it starts next (another call, another item) may cost as much to
+            # close as the most it has cost so far: more than is left.
+            seq.wrap_up = True
+        elif req.num_output_tokens >= seq.next_wrap_up_check:
             cost = closing_cost(seq.matcher, seq.json_state, self.grammars.closing_ids, self.grammars.token_texts,
                                 left)
+            seq.peak_closing_cost = max(seq.peak_closing_cost, cost)
             slack = left - cost - WRAP_UP_MARGIN_TOKENS
             seq.wrap_up = slack <= 0
             seq.next_wrap_up_check = req.num_output_tokens + max(WRAP_UP_MIN_TOKENS, slack // 2)

@@ -143,6 +143,7 @@ class SequenceState:
     matcher: object | None = None  # grammar state for structured output (llguidance), fed every output token
     wrap_up: bool = False  # near its budget: held to tokens that close its JSON (engine._wrapping_up)
     next_wrap_up_check: int = 0  # the output length at which to measure again what closing it would cost
+    peak_closing_cost: int = 0  # the most that closing it has cost when measured
     json_state: object | None = None  # for a JSON schema: whether its output stands inside a string
 
     def completion(self) -> CompletionOutput:

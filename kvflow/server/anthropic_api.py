@@ -16,7 +16,7 @@ from kvflow.engine.async_engine import EngineDeadError
 from kvflow.outputs import RequestOutput
 from kvflow.server import openapi
 from kvflow.server.anthropic_protocol import MessagesRequest
-from kvflow.server.chat_run import answer_pieces, start_chat, whole_answer
+from kvflow.server.chat_run import Reasoning, answer_pieces, start_chat, whole_answer
 from kvflow.server.openai_api import SSE_HEADERS
 from kvflow.server.serving import get_state, parse_body, request_timings, timing_headers
 from kvflow.server.tool_calls import ToolCall
@@ -59,7 +59,9 @@ async def create_message(request: Request):
     if body.stream:
         return StreamingResponse(_events(request, run, head), media_type="text/event-stream", headers=SSE_HEADERS)
     answer = await whole_answer(request, run)
-    content = ([{"type": "text", "text": answer.content}] if answer.content.strip() or not answer.calls else [])
+    content = [{"type": "thinking", "thinking": answer.reasoning, "signature": ""}] if answer.reasoning else []
+    if answer.content.strip() or not answer.calls:
+        content.append({"type": "text", "text": answer.content})
     content += [_tool_use(call) for call in answer.calls]
     stop = answer.output.outputs[0].stop_reason
     doc = {**head, "content": content, "stop_reason": _stop_reason(answer.output, bool(answer.calls)),
@@ -77,6 +79,8 @@ async def _events(request: Request, run, head: dict) -> AsyncIterator[str]:
     index, text_open, called = 0, False, False
     try:
         async for piece in answer_pieces(request, run):
+            if isinstance(piece, Reasoning):
+                continue  # the stream carries the answer; the thinking is in the non-streamed message only
             if isinstance(piece, str):
                 if not text_open:
                     yield _event("content_block_start", index=index, content_block={"type": "text", "text": ""})

@@ -14,6 +14,7 @@ from kvflow.server.chat_tools import (
     with_tools_prompt,
 )
 from kvflow.server.protocol import ChatCompletionRequest
+from kvflow.server.reasoning import after_thinking, reasoning_mode
 from kvflow.server.serving import render_chat
 from kvflow.server.tool_calls import HERMES, MISTRAL, template_format
 from kvflow.structured.spec import StructuredOutput
@@ -25,6 +26,7 @@ class ChatPrompt:
     constraint: StructuredOutput | None
     constraint_field: str | None  # the request field a bad constraint is reported against
     tool_format: str | None  # the tool-call format to parse the answer with; None: no tool calls
+    reasoning: str | None = None  # reasoning.INSIDE / BEFORE when the answer has thinking to split off
 
 
 def _special_ids(tokenizer, names: list[str]) -> dict[str, int]:
@@ -59,7 +61,8 @@ def prepare_chat(tokenizer, body: ChatCompletionRequest) -> ChatPrompt:
         template_tools = [t.template_dict() for t in tools]
     elif tools:
         messages, fmt = with_tools_prompt(messages, tools), HERMES  # kvflow describes the hermes format
-    prompt = render_chat(tokenizer, messages, tools=template_tools)
+    prompt = render_chat(tokenizer, messages, tools=template_tools, template_kwargs=body.chat_template_kwargs)
+    thinking = reasoning_mode(template, prompt)
 
     constraint, field = body.structured_output()
     if tools:
@@ -68,8 +71,12 @@ def prepare_chat(tokenizer, body: ChatCompletionRequest) -> ChatPrompt:
         special = _special_ids(tokenizer, ["[TOOL_CALLS]"]) if fmt == MISTRAL else {}
         if chosen is not None or body.tool_choice == "required":
             picked = [t for t in tools if chosen is None or t.function.name == chosen]
-            return ChatPrompt(prompt, tool_call_grammar(picked, fmt, parallel, special), "tools", fmt)
+            grammar = tool_call_grammar(picked, fmt, parallel, special, reasoning=thinking)
+            return ChatPrompt(prompt, grammar, "tools", fmt, thinking)
         if constraint is not None and constraint.json is not None:
             # auto with a structured final answer: either calls or that JSON
-            return ChatPrompt(prompt, tool_call_grammar(tools, fmt, parallel, special, constraint.json), field, fmt)
-    return ChatPrompt(prompt, constraint, field, fmt if tools else None)
+            grammar = tool_call_grammar(tools, fmt, parallel, special, constraint.json, reasoning=thinking)
+            return ChatPrompt(prompt, grammar, field, fmt, thinking)
+    if constraint is not None and thinking is not None:
+        constraint = after_thinking(constraint, thinking)
+    return ChatPrompt(prompt, constraint, field, fmt if tools else None, thinking)

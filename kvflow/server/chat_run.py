@@ -11,11 +11,12 @@ from fastapi import Request
 
 from kvflow.engine.async_engine import RequestStream
 from kvflow.outputs import RequestOutput
+from kvflow.server.answer_parser import AnswerParser
 from kvflow.server.chat_prompt import ChatPrompt, prepare_chat
 from kvflow.server.errors import APIError
 from kvflow.server.protocol import ChatCompletionRequest
 from kvflow.server.serving import ServerState, abort_on_disconnect, check_constraint, collect, submit
-from kvflow.server.tool_calls import HERMES, ToolCall, ToolCallParser
+from kvflow.server.tool_calls import HERMES, ToolCall
 
 
 @dataclass
@@ -24,11 +25,16 @@ class ChatRun:
     chat: ChatPrompt
 
 
+class Reasoning(str):
+    """A piece of the answer's thinking (answer_pieces yields plain str for content)."""
+
+
 @dataclass
 class Answer:
     content: str
     calls: list[ToolCall]
     output: RequestOutput
+    reasoning: str = ""
 
     @property
     def finish_reason(self) -> str | None:
@@ -46,41 +52,28 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, request_id
     return ChatRun(await submit(state, [chat.prompt], params, request_id), chat)
 
 
-def split_answer(text: str, tool_format: str | None) -> tuple[str, list[ToolCall]]:
-    if tool_format is None:
-        return text, []
-    parser = ToolCallParser(tool_format)
-    first, rest = parser.feed(text), parser.finish()
-    return first.content + rest.content, first.calls + rest.calls
-
-
 async def whole_answer(request: Request, run: ChatRun) -> Answer:
     (final,) = await collect(request, run.streams)
-    content, calls = split_answer(final.outputs[0].text, run.chat.tool_format)
-    return Answer(content, calls, final)
+    piece = AnswerParser(run.chat.tool_format, run.chat.reasoning).whole(final.outputs[0].text)
+    return Answer(piece.content, piece.calls, final, piece.reasoning)
 
 
 async def answer_pieces(request: Request, run: ChatRun) -> AsyncIterator[str | ToolCall | RequestOutput]:
-    """Text pieces (str) and completed calls (ToolCall) as they come, then the final RequestOutput.
-    An engine failure raises EngineDeadError to the caller, which ends its stream its own way."""
-    parser = ToolCallParser(run.chat.tool_format) if run.chat.tool_format is not None else None
+    """Thinking (Reasoning), text pieces (str) and completed calls (ToolCall) as they come, then the final
+    RequestOutput. An engine failure raises EngineDeadError to the caller, which ends its stream its own way."""
+    parser = AnswerParser(run.chat.tool_format, run.chat.reasoning)
     (stream,) = run.streams
     async with abort_on_disconnect(request, run.streams):
         async for out in stream:
-            delta = out.outputs[0].delta_text
-            if parser is None:
-                if delta:
-                    yield delta
-            else:
-                parsed = parser.feed(delta)
-                if out.finished:
-                    rest = parser.finish()
-                    parsed.content += rest.content
-                    parsed.calls += rest.calls
-                if parsed.content:
-                    yield parsed.content
-                for call in parsed.calls:
-                    yield call
+            piece = parser.feed(out.outputs[0].delta_text)
+            if out.finished:
+                piece += parser.finish()
+            if piece.reasoning:
+                yield Reasoning(piece.reasoning)
+            if piece.content:
+                yield piece.content
+            for call in piece.calls:
+                yield call
             if out.finished:
                 yield out
 

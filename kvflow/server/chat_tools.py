@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from kvflow.server.errors import bad_request
+from kvflow.server.reasoning import think_rule
 from kvflow.server.tool_calls import HERMES, LLAMA3, MISTRAL
 from kvflow.structured.compiler import JSON_OPTIONS
 from kvflow.structured.spec import StructuredOutput
@@ -117,9 +118,10 @@ def _json_rule(schema: dict) -> str:
 
 
 def tool_call_grammar(tools: list[Tool], fmt: str, parallel: bool, special_ids: dict[str, int],
-                      answer_schema: dict | None = None) -> StructuredOutput:
+                      answer_schema: dict | None = None, reasoning: str | None = None) -> StructuredOutput:
     """A Lark grammar (llguidance's dialect) for an answer that is one call (or, with parallel, several) to
-    one of `tools` in the template's format; with answer_schema, a JSON answer is allowed instead."""
+    one of `tools` in the template's format; with answer_schema, a JSON answer is allowed instead; with a
+    reasoning mode (reasoning.py), after a think block of free text."""
     if fmt == MISTRAL:
         calls_schema = {"type": "array", "items": _any_call(tools, "arguments"), "minItems": 1}
         if not parallel:
@@ -134,11 +136,15 @@ def tool_call_grammar(tools: list[Tool], fmt: str, parallel: bool, special_ids: 
         open_tag, close_tag = json.dumps("<tool_call>\n"), json.dumps("\n</tool_call>")
         rules = ['calls: call ("\\n" call)*' if parallel else "calls: call",
                  f"call: {open_tag} body {close_tag}", f"body: {_json_rule(_any_call(tools, 'arguments'))}"]
-    start = "start: calls"
+    answer = "calls"
     if answer_schema is not None:
-        start += " | answer"
+        answer = "(calls | answer)"
         rules.append(f"answer: {_json_rule(answer_schema)}")
-    return StructuredOutput(grammar="\n".join([start, *rules]), closes_like_json=True)
+    if reasoning is not None:
+        rules.append(think_rule(reasoning))
+    start = f"start: {'think ' if reasoning is not None else ''}{answer}"
+    # Wrapping up near the budget follows JSON strings through the whole text: not with thinking before it.
+    return StructuredOutput(grammar="\n".join([start, *rules]), closes_like_json=reasoning is None)
 
 
 def response_format_schema(response_format) -> dict | None:

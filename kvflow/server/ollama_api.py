@@ -19,6 +19,7 @@ from kvflow import __version__
 from kvflow.engine.async_engine import EngineDeadError, RequestStream
 from kvflow.outputs import RequestOutput
 from kvflow.server import openapi
+from kvflow.server.answer_parser import AnswerParser
 from kvflow.server.chat_prompt import prepare_chat
 from kvflow.server.ollama_protocol import ChatRequest, GenerateRequest, ShowRequest
 from kvflow.server.serving import (
@@ -34,7 +35,7 @@ from kvflow.server.serving import (
     timing_headers,
     validation_error,
 )
-from kvflow.server.tool_calls import HERMES, ToolCall, ToolCallParser
+from kvflow.server.tool_calls import HERMES, ToolCall
 
 router = APIRouter()
 
@@ -102,8 +103,10 @@ async def chat(request: Request):
     body.check()
     params = body.sampling_params()
 
-    def piece(text: str, calls: list[ToolCall] | None = None) -> dict:
+    def piece(text: str, calls: list[ToolCall] | None = None, thinking: str = "") -> dict:
         message: dict = {"role": "assistant", "content": text}
+        if thinking:
+            message["thinking"] = thinking
         if calls:  # Ollama gives arguments as an object
             message["tool_calls"] = [{"function": {"name": c.name, "arguments": _arguments(c)}} for c in calls]
         return {"model": state.model_name, "created_at": _now_iso(), "message": message, "done": False}
@@ -121,10 +124,11 @@ async def chat(request: Request):
     check_constraint(state, params, "tools" if chat_prompt.constraint_field == "tools" else "format")
     streams = await submit(state, [chat_prompt.prompt], params, f"ollama-chat-{uuid.uuid4().hex}")
 
-    def final(out: RequestOutput, text: str, calls: list[ToolCall] | None = None) -> dict:
-        return {**piece(text, calls), **_final_fields(out, started)}
+    def final(out: RequestOutput, text: str, calls: list[ToolCall] | None = None, thinking: str = "") -> dict:
+        return {**piece(text, calls, thinking), **_final_fields(out, started)}
 
-    return await _respond(request, state, body.stream, streams, piece, final, chat_prompt.tool_format)
+    parser = AnswerParser(chat_prompt.tool_format, chat_prompt.reasoning)
+    return await _respond(request, state, body.stream, streams, piece, final, parser if parser.splits else None)
 
 
 def _arguments(call: ToolCall):
@@ -135,44 +139,40 @@ def _arguments(call: ToolCall):
 
 
 async def _respond(request: Request, state: ServerState, stream: bool, streams: list[RequestStream], piece, final,
-                   tool_format: str | None = None):
+                   parser: AnswerParser | None = None):
     if not stream:
         (out,) = await collect(request, streams)
-        if tool_format is None:
+        if parser is None:
             doc = final(out, out.outputs[0].text)
         else:
-            parser = ToolCallParser(tool_format)
-            first, rest = parser.feed(out.outputs[0].text), parser.finish()
-            doc = final(out, first.content + rest.content, first.calls + rest.calls)
+            answer = parser.whole(out.outputs[0].text)
+            doc = final(out, answer.content, answer.calls, answer.reasoning)
         return JSONResponse(doc, headers=timing_headers(doc["kvflow_timings"]))
-    return StreamingResponse(_lines(request, streams, piece, final, tool_format), media_type=NDJSON)
+    return StreamingResponse(_lines(request, streams, piece, final, parser), media_type=NDJSON)
 
 
-async def _lines(request: Request, streams: list[RequestStream], piece, final, tool_format: str | None
+async def _lines(request: Request, streams: list[RequestStream], piece, final, parser: AnswerParser | None
                  ) -> AsyncIterator[str]:
-    """NDJSON lines; with tools, content as the parser lets it through and each call in a line of its own
-    once complete (Ollama sends calls whole, arguments as an object)."""
+    """NDJSON lines; with a parser, thinking and content as it lets them through and each call in a line of
+    its own once complete (Ollama sends calls whole, arguments as an object)."""
     (stream,) = streams
-    parser = ToolCallParser(tool_format) if tool_format is not None else None
     async with abort_on_disconnect(request, streams):
         try:
             async for out in stream:
-                delta = out.outputs[0].delta_text
+                delta, thinking = out.outputs[0].delta_text, ""
                 calls: list[ToolCall] = []
                 if parser is not None:
-                    parsed = parser.feed(delta)
+                    answer = parser.feed(delta)
                     if out.finished:
-                        rest = parser.finish()
-                        parsed.content += rest.content
-                        parsed.calls += rest.calls
-                    delta, calls = parsed.content, parsed.calls
+                        answer += parser.finish()
+                    delta, calls, thinking = answer.content, answer.calls, answer.reasoning
                 if out.finished:
-                    if calls:
-                        yield json.dumps(piece(delta, calls)) + "\n"
+                    if calls or thinking:
+                        yield json.dumps(piece(delta, calls, thinking) if parser is not None else piece(delta)) + "\n"
                         delta = ""
                     yield json.dumps(final(out, delta)) + "\n"
-                elif delta or calls:
-                    yield json.dumps(piece(delta, calls)) + "\n"
+                elif delta or calls or thinking:
+                    yield json.dumps(piece(delta, calls, thinking) if parser is not None else piece(delta)) + "\n"
         except EngineDeadError as exc:
             yield json.dumps({"error": str(exc)}) + "\n"
 
@@ -241,7 +241,9 @@ async def show(request: Request) -> dict:
             f"{family}.attention.head_count": arch.num_heads,
             f"{family}.attention.head_count_kv": arch.num_kv_heads,
         },
-        "capabilities": ["completion", "tools"], "modified_at": _modified_at(state),
+        "capabilities": ["completion", "tools"] + (["thinking"] if "<think>" in (state.tokenizer.chat_template or "")
+                                                   else []),
+        "modified_at": _modified_at(state),
     }
 
 

@@ -82,8 +82,6 @@ class _OllamaRequest(Strict):
     def check_common(self) -> None:
         if self.format is not None and self.format != "json" and not isinstance(self.format, dict):
             raise bad_request('format must be "json" or a JSON schema', "format")
-        if self.think:
-            raise bad_request("think is not supported", "think")
         if self.logprobs or self.top_logprobs:
             raise bad_request("logprobs are not supported on the Ollama API; use /v1", "logprobs")
 
@@ -156,6 +154,8 @@ class ChatRequest(_OllamaRequest):
         from kvflow.server.protocol import ChatCompletionRequest
 
         body: dict[str, Any] = {"messages": [m.as_openai() for m in self.messages]}
+        if self.think is False:  # Ollama's switch for thinking models; templates read enable_thinking
+            body["chat_template_kwargs"] = {"enable_thinking": False}
         if self.tools:
             body["tools"] = self.tools
         schema = self.format_schema()

@@ -3,6 +3,7 @@ the pieces of their responses: logprobs blocks, usage (with kvflow_timings) and 
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 import uuid
@@ -15,6 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from kvflow.engine.async_engine import EngineDeadError, RequestStream
 from kvflow.outputs import CompletionOutput, Logprob, RequestOutput
 from kvflow.server import openapi
+from kvflow.server.answer_parser import AnswerParser
 from kvflow.server.chat_prompt import prepare_chat
 from kvflow.server.errors import APIError
 from kvflow.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -29,7 +31,7 @@ from kvflow.server.serving import (
     submit,
     timing_headers,
 )
-from kvflow.server.tool_calls import HERMES, ToolCallParser
+from kvflow.server.tool_calls import HERMES
 
 router = APIRouter()
 
@@ -89,21 +91,22 @@ async def create_chat_completion(request: Request):
     k = body.top_logprobs or 0
     if body.stream:
         head["object"] = "chat.completion.chunk"
-        events = _chat_events(request, body, streams, head, chat.tool_format)
+        events = _chat_events(request, body, streams, head, AnswerParser(chat.tool_format, chat.reasoning))
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
     (final,) = await collect(request, streams)
     choices = []
     for c in final.outputs:
         message: dict = {"role": "assistant", "content": c.text, "refusal": None}
         finish = c.finish_reason
-        if chat.tool_format is not None:
-            parser = ToolCallParser(chat.tool_format)
-            parsed = parser.feed(c.text)
-            rest = parser.finish()
-            content, calls = parsed.content + rest.content, parsed.calls + rest.calls
-            if calls:
-                message.update(content=content if content.strip() else None,
-                               tool_calls=[call.openai() for call in calls])
+        parser = AnswerParser(chat.tool_format, chat.reasoning)
+        if parser.splits:
+            answer = parser.whole(c.text)
+            message["content"] = answer.content
+            if chat.reasoning is not None:
+                message["reasoning_content"] = answer.reasoning
+            if answer.calls:
+                message.update(content=answer.content if answer.content.strip() else None,
+                               tool_calls=[call.openai() for call in answer.calls])
                 finish = "tool_calls" if finish == "stop" else finish
         choices.append({
             "index": c.index, "message": message,
@@ -192,11 +195,11 @@ async def _completion_events(
 
 async def _chat_events(
     request: Request, body: ChatCompletionRequest, streams: Sequence[RequestStream], head: dict,
-    tool_format: str | None,
+    parser: AnswerParser,
 ) -> AsyncIterator[str]:
     tail = {"usage": None} if body.include_usage else {}
     k = body.top_logprobs or 0
-    parsers: dict[int, _StreamedCalls] = {}
+    parsers: dict[int, _StreamedAnswer] = {}
     for j in range(body.n):  # the first chunk of every choice names the role
         choice = {"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None}
@@ -207,40 +210,42 @@ async def _chat_events(
             continue
         index, c, ids, entries, _ = item
         lp = chat_logprobs(ids, entries, k) if body.logprobs else None
-        if tool_format is None:
+        if not parser.splits:
             delta = {"content": c.delta_text} if c.delta_text else {}
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason}
             yield sse({**head, "choices": [choice], **tail})
             continue
-        calls = parsers.setdefault(index, _StreamedCalls(tool_format))
-        for delta, finish in calls.deltas(c.delta_text, c.finish_reason):
+        answer = parsers.setdefault(index, _StreamedAnswer(copy.deepcopy(parser)))
+        for delta, finish in answer.deltas(c.delta_text, c.finish_reason):
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
             lp = None  # a token's logprobs go with the first chunk its text is in
             yield sse({**head, "choices": [choice], **tail})
 
 
-class _StreamedCalls:
-    """One streamed choice that may call tools: content deltas as the parser lets text through, and each
-    call as OpenAI streams it (a chunk with its index, id and name, then one with its arguments)."""
+class _StreamedAnswer:
+    """One streamed choice whose text is split: thinking as reasoning_content deltas, content deltas as the
+    parsers let text through, and each tool call as OpenAI streams it (a chunk with its index, id and
+    name, then one with its arguments)."""
 
-    def __init__(self, tool_format: str) -> None:
-        self.parser = ToolCallParser(tool_format)
+    def __init__(self, parser: AnswerParser) -> None:
+        self.parser = parser
         self.sent_calls = 0
 
     def deltas(self, text: str, finish_reason: str | None) -> list[tuple[dict, str | None]]:
-        parsed = self.parser.feed(text) if text else None
-        out = self._emit(parsed) if parsed else []
+        out = self._emit(self.parser.feed(text)) if text else []
         if finish_reason is None:
             return out or ([({}, None)] if text == "" else [])
         out += self._emit(self.parser.finish())
         finish = "tool_calls" if self.sent_calls and finish_reason == "stop" else finish_reason
         return [*out, ({}, finish)]
 
-    def _emit(self, parsed) -> list[tuple[dict, str | None]]:
+    def _emit(self, piece) -> list[tuple[dict, str | None]]:
         out: list[tuple[dict, str | None]] = []
-        if parsed.content:
-            out.append(({"content": parsed.content}, None))
-        for call in parsed.calls:
+        if piece.reasoning:
+            out.append(({"reasoning_content": piece.reasoning}, None))
+        if piece.content:
+            out.append(({"content": piece.content}, None))
+        for call in piece.calls:
             index, self.sent_calls = self.sent_calls, self.sent_calls + 1
             head = {"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
             out.append(({"tool_calls": [head]}, None))

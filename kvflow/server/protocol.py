@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvflow.sampling_params import SamplingParams
 from kvflow.server.chat_tools import Tool, named_choice
@@ -59,7 +59,7 @@ class ResponseFormat(Strict):
 class StructuredOutputs(Strict):
     """vLLM's `structured_outputs` (and its older `guided_*` fields): exactly one constraint."""
 
-    json: dict | str | bool | None = None
+    json_: dict | str | bool | None = Field(None, alias="json")  # `json` would shadow pydantic's own method
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
@@ -108,7 +108,7 @@ class SamplingFields(Strict):
                 found.append(("response_format", StructuredOutput(json=self.response_format.schema())))
             if self.structured_outputs is not None:
                 so = self.structured_outputs
-                found.append(("structured_outputs", StructuredOutput(json=so.json, regex=so.regex,
+                found.append(("structured_outputs", StructuredOutput(json=so.json_, regex=so.regex,
                                                                      choice=so.choice, grammar=so.grammar)))
             for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                                ("guided_grammar", "grammar")):
@@ -246,6 +246,7 @@ class ChatCompletionRequest(SamplingFields):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: e.g. {"enable_thinking": false}
 
     def param_names(self) -> dict[str, str]:
         return {"logprobs": "top_logprobs", "max_tokens": self._max_tokens_field()}

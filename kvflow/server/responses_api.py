@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from kvflow.engine.async_engine import EngineDeadError
 from kvflow.outputs import RequestOutput
 from kvflow.server import openapi
-from kvflow.server.chat_run import answer_pieces, start_chat, whole_answer
+from kvflow.server.chat_run import Reasoning, answer_pieces, start_chat, whole_answer
 from kvflow.server.errors import APIError
 from kvflow.server.openai_api import SSE_HEADERS
 from kvflow.server.responses_protocol import ResponsesRequest
@@ -87,6 +87,9 @@ async def create_response(request: Request):
     if body.stream:
         return StreamingResponse(_events(request, run, response), media_type="text/event-stream", headers=SSE_HEADERS)
     answer = await whole_answer(request, run)
+    if answer.reasoning:
+        response.doc["output"].append({"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
+                                       "content": [{"type": "reasoning_text", "text": answer.reasoning}]})
     if answer.content.strip() or not answer.calls:
         response.doc["output"].append(_message_item(answer.content))
     response.doc["output"] += [_call_item(call) for call in answer.calls]
@@ -127,6 +130,8 @@ async def _events(request: Request, run, response: _Response) -> AsyncIterator[s
 
     try:
         async for piece in answer_pieces(request, run):
+            if isinstance(piece, Reasoning):
+                continue  # the stream carries the answer; the thinking is in the non-streamed response only
             if isinstance(piece, str):
                 if message is None:
                     message = _message_item(None)

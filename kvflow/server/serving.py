@@ -113,14 +113,17 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-def render_chat(tokenizer, messages: list[dict], param: str = "messages", tools: list[dict] | None = None) -> str:
-    """The prompt text for messages (and tools, as transformers passes them to the template), ending with
-    the assistant's turn; a 400 when the template refuses them."""
+def render_chat(tokenizer, messages: list[dict], param: str = "messages", tools: list[dict] | None = None,
+                template_kwargs: dict | None = None) -> str:
+    """The prompt text for messages (and tools, as transformers passes them to the template; template_kwargs
+    such as enable_thinking go to the template too), ending with the assistant's turn; a 400 when the
+    template refuses them."""
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template, so it cannot chat; use the completions API",
                           param, "no_chat_template")
     try:
-        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
+                                             **(template_kwargs or {}))
     except Exception as exc:  # jinja2 raises TemplateError (or anything a template's raise_exception throws)
         raise bad_request(f"the chat template could not render these messages: {exc}", param) from None
 

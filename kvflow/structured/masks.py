@@ -62,16 +62,16 @@ def apply_masks(logits: torch.Tensor, rows: Sequence[int], allowed: np.ndarray) 
 
 
 def wrap_up(allowed: np.ndarray, closing: np.ndarray, end_token_ids: Sequence[int], in_string: bool) -> np.ndarray:
-    """For a request near its token budget: the first non-empty of the end tokens, the tokens closing a
-    string, and (outside a string) the closing brackets (compiler.closing_tokens), each within what its
-    grammar allows; all allowed tokens where none of them is (a required key, a digit, an e-mail address
-    that is not complete yet)."""
+    """For a request near its token budget: the first non-empty of the end tokens, then inside a string the
+    tokens closing it, outside one the closing brackets and then the quote-led tokens (an empty string where
+    a value must come; compiler.closing_tokens), each within what its grammar allows; all allowed tokens
+    where none of them is (a required key, a digit, an e-mail address that is not complete yet)."""
     ends = list(end_token_ids)
     if ends and allowed[ends].any():
         narrowed = np.zeros_like(allowed)
         narrowed[ends] = allowed[ends]
         return narrowed
-    for preferred in (closing[0],) if in_string else (closing[0], closing[1]):
+    for preferred in (closing[0],) if in_string else (closing[1], closing[0]):
         narrowed = allowed & preferred
         if narrowed.any():
             return narrowed
@@ -112,7 +112,7 @@ def closing_cost(matcher, state: JsonStringState, closing_ids: Sequence[np.ndarr
                 state.feed(texts[token])
             steps += len(forced)
             continue
-        token = _walk_choice(walker, words, closing_ids[:1] if state.in_string else closing_ids)
+        token = _walk_choice(walker, words, closing_ids[:1] if state.in_string else closing_ids[::-1])
         if token is None or not walker.consume_token(token):
             return steps
         state.feed(texts[token])

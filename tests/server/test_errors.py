@@ -142,6 +142,12 @@ def test_api_key_is_required_except_for_health(guarded_server):
         assert_error(r, 401, None, "invalid_api_key", "API key")
     assert httpx.get(f"{url}/v1/models").status_code == 401
     assert httpx.get(f"{url}/metrics").status_code == 401
+    assert httpx.get(f"{url}/openapi.json").status_code == 401 and httpx.get(f"{url}/docs").status_code == 401
+    described = httpx.get(f"{url}/openapi.json", headers={"Authorization": "Bearer sekret"}).json()
+    assert {"/v1/chat/completions", "/v1/responses", "/v1/messages", "/api/chat"} <= set(described["paths"])
+    assert "ChatCompletionRequest" in described["components"]["schemas"]
+    anthropic_style = httpx.get(f"{url}/v1/models", headers={"x-api-key": "sekret"})
+    assert anthropic_style.status_code == 200
     assert httpx.get(f"{url}/health").status_code == 200
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()

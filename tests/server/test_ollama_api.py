@@ -25,7 +25,7 @@ def test_root_version_tags_and_show(client, tiny_server):
     assert model.model == TINY_NAME and model.size > 0 and model.details.family == "llama"
     shown = client.show(TINY_NAME)
     assert "assistant" in shown.template and shown.modelinfo["llama.context_length"] == TINY_CONTEXT
-    assert shown.capabilities == ["completion"]
+    assert shown.capabilities == ["completion", "tools"]
     with pytest.raises(ollama.ResponseError) as info:
         client.show("other-model")
     assert info.value.status_code == 404

@@ -1,0 +1,67 @@
+"""An answer as the APIs return it: thinking (reasoning.py), content, and tool calls (tool_calls.py), split
+out of the model's text as it streams. Both parsers hold back only what may still turn out to be a tag."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvflow.server.reasoning import ReasoningParser
+from kvflow.server.tool_calls import ToolCall, ToolCallParser
+
+
+@dataclass
+class AnswerPiece:
+    reasoning: str = ""
+    content: str = ""
+    calls: list[ToolCall] = field(default_factory=list)
+
+    def __iadd__(self, other: AnswerPiece) -> AnswerPiece:
+        self.reasoning += other.reasoning
+        self.content += other.content
+        self.calls += other.calls
+        return self
+
+
+class AnswerParser:
+    def __init__(self, tool_format: str | None, reasoning: str | None) -> None:
+        self.thinking = ReasoningParser(reasoning) if reasoning is not None else None
+        self.tools = ToolCallParser(tool_format) if tool_format is not None else None
+
+    @property
+    def splits(self) -> bool:
+        """Whether there is anything to split off (else the text is all content)."""
+        return self.thinking is not None or self.tools is not None
+
+    def feed(self, text: str) -> AnswerPiece:
+        out = AnswerPiece()
+        content = text
+        if self.thinking is not None:
+            split = self.thinking.feed(text)
+            out.reasoning, content = split.reasoning, split.content
+        self._content(out, content)
+        return out
+
+    def finish(self) -> AnswerPiece:
+        out = AnswerPiece()
+        if self.thinking is not None:
+            split = self.thinking.finish()
+            out.reasoning = split.reasoning
+            self._content(out, split.content)
+        if self.tools is not None:
+            out += _from_tools(self.tools.finish())
+        return out
+
+    def whole(self, text: str) -> AnswerPiece:
+        out = self.feed(text)
+        out += self.finish()
+        return out
+
+    def _content(self, out: AnswerPiece, content: str) -> None:
+        if self.tools is None:
+            out.content += content
+        elif content:
+            out += _from_tools(self.tools.feed(content))
+
+
+def _from_tools(parsed) -> AnswerPiece:
+    return AnswerPiece(content=parsed.content, calls=list(parsed.calls))
