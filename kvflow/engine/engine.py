@@ -25,6 +25,7 @@ from kvflow.outputs import Logprob, RequestOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured.compiler import GrammarCompiler
 from kvflow.structured.json_state import JsonStringState
+from kvflow.structured.mask_prefetch import MaskPrefetcher, has_idle_core, rows_of
 from kvflow.structured.masks import closing_cost
 
 log = logging.getLogger("kvflow")
@@ -61,6 +62,9 @@ class LLMEngine:
         self._counter = 0
         self.num_steps = 0
         self._grammars: GrammarCompiler | None = None
+        self._prefetcher: MaskPrefetcher | None = None
+        # Token masks overlap the forward only with a core to spare (structured/mask_prefetch.py).
+        self.mask_prefetch = has_idle_core()
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -175,8 +179,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        masks = self._prefetch_masks(sched)
         logits, sample_ids = self.runner.execute(sched)
-        sampled, touched = self._sample(sched, logits, sample_ids)
+        sampled, touched = self._sample(sched, logits, sample_ids, rows_of(*masks) if masks[0] is not None else None)
         updated = self.scheduler.update_from_output(sched, sampled)
         for request in updated:
             self._process_tokens(request)
@@ -193,8 +198,23 @@ class LLMEngine:
                 self._drop(group)
         return outputs
 
+    def _prefetch_masks(self, sched: SchedulerOutput) -> tuple[object | None, list[str]]:
+        """Start computing the token masks of this step's constrained sequences, to overlap the forward
+        (structured/mask_prefetch.py); (None, []) where there is no idle core for it or nothing to mask."""
+        if not self.mask_prefetch:
+            return None, []
+        ids = [s.request.request_id for s in sched.scheduled
+               if s.sample and (seq := self.sequences.get(s.request.request_id)) is not None and seq.matcher is not None]
+        if not ids:
+            return None, []
+        if self._prefetcher is None:
+            self._prefetcher = MaskPrefetcher()
+        matchers = [self.sequences[rid].matcher for rid in ids]
+        return self._prefetcher.start(matchers, self.loaded.arch.vocab_size), ids
+
     def _sample(
-        self, sched: SchedulerOutput, logits: torch.Tensor, sample_ids: list[str]
+        self, sched: SchedulerOutput, logits: torch.Tensor, sample_ids: list[str],
+        prefetched: dict | None = None,
     ) -> tuple[dict[str, list[int]], set[str]]:
         rows: list[SamplingRow] = []
         row_logits: list[int] = []
@@ -208,7 +228,7 @@ class LLMEngine:
             touched.add(group.request_id)
             targets = [seq] + self._fork_children(sched, group, seq)
             for target in targets:
-                rows.append(self._sampling_row(target))
+                rows.append(self._sampling_row(target, (prefetched or {}).get(target.request.request_id)))
                 row_logits.append(i)
                 owners.append(target)
         if not rows:
@@ -248,7 +268,7 @@ class LLMEngine:
         group.children_to_fork = 0
         return children
 
-    def _sampling_row(self, seq: SequenceState) -> SamplingRow:
+    def _sampling_row(self, seq: SequenceState, mask_words=None) -> SamplingRow:
         req = seq.request
         params = req.sampling_params
         suppress: list[int] = []
@@ -259,7 +279,8 @@ class LLMEngine:
             return SamplingRow(params, req.prompt_token_ids, req.output_token_ids, seq.generator, suppress)
         closing = self.grammars.closing_tokens if self._wrapping_up(seq) else None
         return SamplingRow(params, req.prompt_token_ids, req.output_token_ids, seq.generator, suppress,
-                           seq.matcher, ends, closing, seq.json_state is not None and seq.json_state.in_string)
+                           seq.matcher, ends, closing, seq.json_state is not None and seq.json_state.in_string,
+                           mask_words)
 
     def _wrapping_up(self, seq: SequenceState) -> bool:
         """Whether a constrained request must start closing what it has open to end within its budget.

@@ -36,6 +36,7 @@ class SamplingRow:
     end_token_ids: list[int] = field(default_factory=list)  # tokens that end it, allowed where its grammar may end
     closing_tokens: np.ndarray | None = None  # near its token budget: compiler.closing_tokens, else None
     in_string: bool = False  # its JSON output stands inside a string (structured/json_state.py)
+    mask_words: np.ndarray | None = None  # its grammar's mask, when computed during the forward
 
 
 @dataclass
@@ -93,7 +94,9 @@ class Sampler:
 
 
 def _apply_grammars(logits: torch.Tensor, rows: list[SamplingRow], constrained: list[int]) -> torch.Tensor:
-    words = mask_words([rows[i].matcher for i in constrained], logits.shape[1])
+    missing = [i for i in constrained if rows[i].mask_words is None]
+    computed = dict(zip(missing, mask_words([rows[i].matcher for i in missing], logits.shape[1]))) if missing else {}
+    words = [computed[i] if i in computed else rows[i].mask_words for i in constrained]
     masked, allowed_rows = [], []
     for j, i in enumerate(constrained):
         row = rows[i]

@@ -76,11 +76,19 @@ def _event(kind: str, **fields) -> str:
 async def _events(request: Request, run, head: dict) -> AsyncIterator[str]:
     yield _event("message_start", message={**head, "content": [], "stop_reason": None, "stop_sequence": None,
                                            "usage": {"input_tokens": 0, "output_tokens": 0}})
-    index, text_open, called = 0, False, False
+    index, text_open, called, thinking_open = 0, False, False, False
     try:
         async for piece in answer_pieces(request, run):
             if isinstance(piece, Reasoning):
-                continue  # the stream carries the answer; the thinking is in the non-streamed message only
+                if not thinking_open:
+                    yield _event("content_block_start", index=index,
+                                 content_block={"type": "thinking", "thinking": "", "signature": ""})
+                    thinking_open = True
+                yield _event("content_block_delta", index=index, delta={"type": "thinking_delta", "thinking": piece})
+                continue
+            if thinking_open:
+                yield _event("content_block_stop", index=index)
+                index, thinking_open = index + 1, False
             if isinstance(piece, str):
                 if not text_open:
                     yield _event("content_block_start", index=index, content_block={"type": "text", "text": ""})

@@ -14,6 +14,7 @@ from kvflow.server.chat_tools import (
     with_tools_prompt,
 )
 from kvflow.server.protocol import ChatCompletionRequest
+from kvflow.server.reasoning import OPEN as THINK_OPEN
 from kvflow.server.reasoning import after_thinking, reasoning_mode
 from kvflow.server.serving import render_chat
 from kvflow.server.tool_calls import HERMES, MISTRAL, template_format
@@ -38,8 +39,10 @@ def _special_ids(tokenizer, names: list[str]) -> dict[str, int]:
 
 def prepare_chat(tokenizer, body: ChatCompletionRequest) -> ChatPrompt:
     template = getattr(tokenizer, "chat_template", None) or ""
-    fmt = template_format(template)
-    knows_tools = template_knows_tools(template)
+    tools = body.tools if body.calls_tools else None
+    fmt = template_format(template) if tools else None
+    knows_tools = template_knows_tools(template) if tools or any(m.tool_calls or m.role == "tool" for m in body.messages) \
+        else False
     messages = []
     for m in body.messages:
         message = m.as_template_dict()
@@ -55,14 +58,13 @@ def prepare_chat(tokenizer, body: ChatCompletionRequest) -> ChatPrompt:
             message = {"role": "user", "content": f"<tool_response>\n{message['content']}\n</tool_response>"}
         messages.append(message)
 
-    tools = body.tools if body.calls_tools else None
     template_tools = None
     if tools and knows_tools:
         template_tools = [t.template_dict() for t in tools]
     elif tools:
         messages, fmt = with_tools_prompt(messages, tools), HERMES  # kvflow describes the hermes format
     prompt = render_chat(tokenizer, messages, tools=template_tools, template_kwargs=body.chat_template_kwargs)
-    thinking = reasoning_mode(template, prompt)
+    thinking = reasoning_mode(template, prompt) if THINK_OPEN in template else None
 
     constraint, field = body.structured_output()
     if tools:

@@ -91,16 +91,17 @@ async def create_chat_completion(request: Request):
     k = body.top_logprobs or 0
     if body.stream:
         head["object"] = "chat.completion.chunk"
-        events = _chat_events(request, body, streams, head, AnswerParser(chat.tool_format, chat.reasoning))
+        splits = chat.tool_format is not None or chat.reasoning is not None
+        events = _chat_events(request, body, streams, head,
+                              AnswerParser(chat.tool_format, chat.reasoning) if splits else None)
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
     (final,) = await collect(request, streams)
     choices = []
     for c in final.outputs:
         message: dict = {"role": "assistant", "content": c.text, "refusal": None}
         finish = c.finish_reason
-        parser = AnswerParser(chat.tool_format, chat.reasoning)
-        if parser.splits:
-            answer = parser.whole(c.text)
+        if chat.tool_format is not None or chat.reasoning is not None:
+            answer = AnswerParser(chat.tool_format, chat.reasoning).whole(c.text)
             message["content"] = answer.content
             if chat.reasoning is not None:
                 message["reasoning_content"] = answer.reasoning
@@ -195,7 +196,7 @@ async def _completion_events(
 
 async def _chat_events(
     request: Request, body: ChatCompletionRequest, streams: Sequence[RequestStream], head: dict,
-    parser: AnswerParser,
+    parser: AnswerParser | None,
 ) -> AsyncIterator[str]:
     tail = {"usage": None} if body.include_usage else {}
     k = body.top_logprobs or 0
@@ -210,7 +211,7 @@ async def _chat_events(
             continue
         index, c, ids, entries, _ = item
         lp = chat_logprobs(ids, entries, k) if body.logprobs else None
-        if not parser.splits:
+        if parser is None:
             delta = {"content": c.delta_text} if c.delta_text else {}
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason}
             yield sse({**head, "choices": [choice], **tail})

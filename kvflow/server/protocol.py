@@ -276,7 +276,7 @@ class ChatCompletionRequest(SamplingFields):
                 raise bad_request("a tool needs a function name", f"tools.{i}.function.name")
         if len(set(names)) != len(names):
             raise bad_request("two tools have the same name", "tools")
-        chosen = named_choice(self.tool_choice)
+        chosen = named_choice(self.tool_choice) if isinstance(self.tool_choice, dict) else None
         if (chosen is not None or self.tool_choice == "required") and not names:
             raise bad_request("tool_choice requires tools", "tool_choice")
         if chosen is not None and chosen not in names:

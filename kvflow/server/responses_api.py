@@ -36,6 +36,11 @@ def _message_item(text: str | None) -> dict:
             "completed", "role": "assistant", "content": [] if text is None else [_text_part(text)]}
 
 
+def _reasoning_item(text: str, status: str = "completed") -> dict:
+    return {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
 def _call_item(call: ToolCall, status: str = "completed") -> dict:
     return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call.id, "name": call.name,
             "arguments": call.arguments if status == "completed" else "", "status": status}
@@ -88,8 +93,7 @@ async def create_response(request: Request):
         return StreamingResponse(_events(request, run, response), media_type="text/event-stream", headers=SSE_HEADERS)
     answer = await whole_answer(request, run)
     if answer.reasoning:
-        response.doc["output"].append({"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
-                                       "content": [{"type": "reasoning_text", "text": answer.reasoning}]})
+        response.doc["output"].append(_reasoning_item(answer.reasoning))
     if answer.content.strip() or not answer.calls:
         response.doc["output"].append(_message_item(answer.content))
     response.doc["output"] += [_call_item(call) for call in answer.calls]
@@ -113,6 +117,7 @@ async def _events(request: Request, run, response: _Response) -> AsyncIterator[s
     yield events.event("response.created", response=response.doc)
     yield events.event("response.in_progress", response=response.doc)
     message: dict | None = None  # the message item being streamed, if any
+    thinking: dict | None = None  # the reasoning item being streamed, if any
 
     def close_message():
         nonlocal message
@@ -131,7 +136,20 @@ async def _events(request: Request, run, response: _Response) -> AsyncIterator[s
     try:
         async for piece in answer_pieces(request, run):
             if isinstance(piece, Reasoning):
-                continue  # the stream carries the answer; the thinking is in the non-streamed response only
+                if thinking is None:
+                    thinking = _reasoning_item("", status="in_progress")
+                    output.append(thinking)
+                    yield events.event("response.output_item.added", output_index=len(output) - 1, item=thinking)
+                thinking["content"][0]["text"] += piece
+                yield events.event("response.reasoning_text.delta", item_id=thinking["id"],
+                                   output_index=output.index(thinking), content_index=0, delta=str(piece))
+                continue
+            if thinking is not None and thinking["status"] == "in_progress":
+                thinking["status"] = "completed"
+                index = output.index(thinking)
+                yield events.event("response.reasoning_text.done", item_id=thinking["id"], output_index=index,
+                                   content_index=0, text=thinking["content"][0]["text"])
+                yield events.event("response.output_item.done", output_index=index, item=thinking)
             if isinstance(piece, str):
                 if message is None:
                     message = _message_item(None)

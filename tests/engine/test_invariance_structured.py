@@ -91,3 +91,11 @@ def test_n_samples_each_follow_the_grammar(model):
     assert len(out.outputs) == 3
     for completion in out.outputs:
         assert violation(completion.text, CONSTRAINED[0]["schema"]) is None
+
+
+@pytest.mark.parametrize("prefetch", [True, False], ids=["masks during the forward", "masks after it"])
+def test_masks_computed_during_the_forward_change_nothing(model, alone, prefetch):
+    llm = model(enable_prefix_caching=False)
+    llm.engine.mask_prefetch = prefetch  # by default only where a core is idle (structured/mask_prefetch.py)
+    prompts, params = _constrained(llm)
+    assert _run(llm, prompts, params) == [alone[p] for p in prompts]
