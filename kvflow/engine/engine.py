@@ -24,19 +24,10 @@ from kvflow.layers.sampler import Sampler, SamplingRow, make_generator
 from kvflow.outputs import Logprob, RequestOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured.compiler import GrammarCompiler
-from kvflow.structured.json_state import JsonStringState
 from kvflow.structured.mask_prefetch import MaskPrefetcher, has_idle_core, rows_of
-from kvflow.structured.masks import closing_cost
+from kvflow.structured.sequence_grammar import SequenceGrammar
 
 log = logging.getLogger("kvflow")
-
-# A structured-output request near its token budget is steered to close what it has open (a small model
-# can repeat itself inside a string until the budget runs out): once WRAP_UP_WATCH_TOKENS are left, it
-# starts when what closing costs plus WRAP_UP_MARGIN_TOKENS reaches what is left, and with
-# WRAP_UP_MIN_TOKENS left it always does.
-WRAP_UP_WATCH_TOKENS = 160
-WRAP_UP_MARGIN_TOKENS = 8
-WRAP_UP_MIN_TOKENS = 4
 
 
 class LLMEngine:
@@ -152,10 +143,9 @@ class LLMEngine:
             generator=generator,
             logprobs=[] if params.logprobs is not None else None,
             cumulative_logprob=0.0 if params.logprobs is not None else None,
-            matcher=None if params.structured_output is None else self.grammars.matcher(params.structured_output),
+            grammar=None if params.structured_output is None else SequenceGrammar(self.grammars,
+                                                                                 params.structured_output),
         )
-        if params.structured_output is not None and params.structured_output.closes_like_json:
-            state.json_state = JsonStringState()
         group.sequences.append(state)
         return state
 
@@ -204,12 +194,12 @@ class LLMEngine:
         if not self.mask_prefetch:
             return None, []
         ids = [s.request.request_id for s in sched.scheduled
-               if s.sample and (seq := self.sequences.get(s.request.request_id)) is not None and seq.matcher is not None]
+               if s.sample and (seq := self.sequences.get(s.request.request_id)) is not None and seq.grammar is not None]
         if not ids:
             return None, []
         if self._prefetcher is None:
             self._prefetcher = MaskPrefetcher()
-        matchers = [self.sequences[rid].matcher for rid in ids]
+        matchers = [self.sequences[rid].grammar.matcher for rid in ids]
         return self._prefetcher.start(matchers, self.loaded.arch.vocab_size), ids
 
     def _sample(
@@ -240,12 +230,8 @@ class LLMEngine:
         for j, seq in enumerate(owners):
             if seq.logprobs is not None:
                 self._record_logprobs(seq, result.token_ids[j], result.logprobs[j], result.top_logprobs[j])
-            if seq.matcher is not None and result.token_ids[j] not in rows[j].end_token_ids:
-                if seq.json_state is not None:
-                    seq.json_state.feed(self.grammars.token_texts[result.token_ids[j]])
-                if not seq.matcher.consume_token(result.token_ids[j]):
-                    log.warning("request %s: its grammar refused token %d: %s", seq.request.request_id,
-                                result.token_ids[j], seq.matcher.get_error())
+            if seq.grammar is not None and result.token_ids[j] not in rows[j].end_token_ids:
+                seq.grammar.accept(result.token_ids[j], seq.request.request_id)
         return {seq.request.request_id: [result.token_ids[j]] for j, seq in enumerate(owners)}, touched
 
     def _fork_children(self, sched: SchedulerOutput, group: RequestGroup, parent: SequenceState) -> list:
@@ -275,37 +261,13 @@ class LLMEngine:
         ends = list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids)
         if req.num_output_tokens < params.min_tokens:
             suppress = ends
-        if seq.matcher is None:
+        grammar = seq.grammar
+        if grammar is None:
             return SamplingRow(params, req.prompt_token_ids, req.output_token_ids, seq.generator, suppress)
-        closing = self.grammars.closing_tokens if self._wrapping_up(seq) else None
+        wrap_up = grammar.wrapping_up(req.num_output_tokens, req.max_tokens)
         return SamplingRow(params, req.prompt_token_ids, req.output_token_ids, seq.generator, suppress,
-                           seq.matcher, ends, closing, seq.json_state is not None and seq.json_state.in_string,
-                           mask_words)
-
-    def _wrapping_up(self, seq: SequenceState) -> bool:
-        """Whether a constrained request must start closing what it has open to end within its budget.
-        Once near the end, the cost of closing is measured by walking a copy of its grammar state, and
-        measured again when half the slack it left is used up."""
-        req = seq.request
-        if seq.wrap_up or req.max_tokens is None or seq.json_state is None:
-            return seq.wrap_up
-        left = req.max_tokens - req.num_output_tokens
-        if left <= WRAP_UP_MIN_TOKENS:
-            seq.wrap_up = True
-        elif left > WRAP_UP_WATCH_TOKENS:
-            return False
-        elif seq.matcher.is_accepting() and left <= seq.peak_closing_cost + WRAP_UP_MARGIN_TOKENS:
-            # It could end here, and what it starts next (another call, another item) may cost as much to
-            # close as the most it has cost so far: more than is left.
-            seq.wrap_up = True
-        elif req.num_output_tokens >= seq.next_wrap_up_check:
-            cost = closing_cost(seq.matcher, seq.json_state, self.grammars.closing_ids, self.grammars.token_texts,
-                                left)
-            seq.peak_closing_cost = max(seq.peak_closing_cost, cost)
-            slack = left - cost - WRAP_UP_MARGIN_TOKENS
-            seq.wrap_up = slack <= 0
-            seq.next_wrap_up_check = req.num_output_tokens + max(WRAP_UP_MIN_TOKENS, slack // 2)
-        return seq.wrap_up
+                           grammar.matcher, ends, self.grammars.closing_tokens if wrap_up else None,
+                           grammar.in_string, mask_words)
 
     def _record_logprobs(self, seq: SequenceState, token: int, lp: float | None, top) -> None:
         entry: dict[int, Logprob] = {}
@@ -327,8 +289,7 @@ class LLMEngine:
         seq.delta_text += result.text_delta
         if result.finished and not request.is_finished:
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, result.stop_string)
-        elif seq.matcher is not None and not request.is_finished and seq.matcher.is_stopped():
-            # The grammar can take nothing more (a complete JSON value): the request is done.
+        elif seq.grammar is not None and not request.is_finished and seq.grammar.finished:
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, None)
         if request.is_finished:
             if not result.finished:

@@ -12,12 +12,16 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvflow.engine.detokenizer import IncrementalDetokenizer
 from kvflow.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvflow.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvflow.structured.sequence_grammar import SequenceGrammar
 
 # One clock for every engine-side timestamp, so differences (TTFT, ITL) are meaningful.
 now = time.monotonic
@@ -140,11 +144,7 @@ class SequenceState:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     num_processed: int = 0  # output tokens already detokenized
-    matcher: object | None = None  # grammar state for structured output (llguidance), fed every output token
-    wrap_up: bool = False  # near its budget: held to tokens that close its JSON (engine._wrapping_up)
-    next_wrap_up_check: int = 0  # the output length at which to measure again what closing it would cost
-    peak_closing_cost: int = 0  # the most that closing it has cost when measured
-    json_state: object | None = None  # for a JSON schema: whether its output stands inside a string
+    grammar: SequenceGrammar | None = None  # structured output: its grammar state, fed every output token
 
     def completion(self) -> CompletionOutput:
         return CompletionOutput(
