@@ -27,6 +27,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_output: StructuredOutput | None = None  # a JSON schema, regex, choice or grammar to match
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's range: [-100, 100])
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -59,6 +60,9 @@ class SamplingParams:
             raise bad("frequency_penalty", "must be in [-2, 2]")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer")
+        if self.seed is not None and not -(2**63) <= self.seed <= 2**63 - self.n:
+            # Sample i of n draws from seed + i, which must fit a signed 64-bit integer too.
+            raise bad("seed", f"must be a signed 64-bit integer (at most 2**63 - n = {2**63 - self.n})")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise bad("max_tokens", "must be an integer >= 1")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
@@ -71,6 +75,11 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be non-negative integers")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "must be an integer in [0, 20]")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or any(not isinstance(t, int) or t < 0 for t in self.logit_bias):
+                raise bad("logit_bias", "must map non-negative token ids to biases")
+            if any(not isinstance(b, (int, float)) or not -100 <= b <= 100 for b in self.logit_bias.values()):
+                raise bad("logit_bias", "biases must be numbers in [-100, 100]")
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
             raise bad("structured_output", "must be a kvflow.structured.spec.StructuredOutput")
 

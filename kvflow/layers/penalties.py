@@ -83,3 +83,14 @@ def suppress_tokens(logits: torch.Tensor, suppress_token_ids: Sequence[Sequence[
     device = logits.device
     logits[torch.tensor(row_index, device=device), torch.tensor(col_index, device=device)] = float("-inf")
     return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, biases: Sequence[dict[int, float] | None]) -> torch.Tensor:
+    """Add biases[i][t] to logits[i, t] (OpenAI's logit_bias; -100 all but bans a token, +100 all but
+    forces it)."""
+    rows = [i for i, b in enumerate(biases) for _ in (b or {})]
+    cols = [t for b in biases for t in (b or {})]
+    values = [v for b in biases for v in (b or {}).values()]
+    logits = logits.clone()
+    logits[torch.tensor(rows), torch.tensor(cols)] += torch.tensor(values, dtype=logits.dtype)
+    return logits

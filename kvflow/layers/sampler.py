@@ -1,6 +1,6 @@
 """Sampler: one batch of logits [B, V] -> one token per row (+ logprobs), each row with its own params.
 
-Order per row: penalties, min_tokens suppression, the grammar's mask (structured output), then greedy rows take the argmax; the others go through
+Order per row: penalties, logit_bias, min_tokens suppression, the grammar's mask (structured output), then greedy rows take the argmax; the others go through
 temperature, top-k / top-p, min-p and an exponential race (argmax of probs / q, q ~ Exp(1)), which draws
 a token with exactly the filtered probabilities. Seeded rows draw q from their own generator, so their
 tokens do not depend on what else is in the batch. Logprobs are taken from the raw logits given.
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from kvflow.layers.logit_filters import apply_min_p, apply_top_k_top_p
-from kvflow.layers.penalties import apply_penalties, suppress_tokens
+from kvflow.layers.penalties import apply_logit_bias, apply_penalties, suppress_tokens
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured.masks import apply_masks, mask_words, unpack_allowed, wrap_up
 
@@ -69,6 +69,8 @@ class Sampler:
             logits = apply_penalties(
                 logits, params, [r.prompt_token_ids for r in rows], [r.output_token_ids for r in rows]
             )
+        if any(p.logit_bias for p in params):
+            logits = apply_logit_bias(logits, [p.logit_bias for p in params])
         if any(r.suppress_token_ids for r in rows):
             logits = suppress_tokens(logits, [r.suppress_token_ids for r in rows])
         constrained = [i for i, r in enumerate(rows) if r.matcher is not None]

@@ -17,10 +17,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvflow import __version__
 from kvflow.engine.async_engine import AsyncEngine
-from kvflow.server import anthropic_api, ollama_api, openai_api, openapi, responses_api
+from kvflow.server import anthropic_api, ollama_api, openai_api, openapi, responses_api, tokenize_api
 from kvflow.server.errors import APIError, error_response
 from kvflow.server.metrics import CONTENT_TYPE
-from kvflow.server.middleware import APIKeyMiddleware
+from kvflow.server.middleware import APIKeyMiddleware, RequestIdMiddleware, RootPathMiddleware
 from kvflow.server.serving import ServerSettings, ServerState, get_state
 
 log = logging.getLogger("kvflow")
@@ -43,11 +43,15 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app.include_router(ollama_api.router)
     app.include_router(responses_api.router)
     app.include_router(anthropic_api.router)
+    app.include_router(tokenize_api.router)
     _add_basic_routes(app)
     _add_error_handlers(app, state)
     # The key is checked before any route runs; the body's size limit as a route reads it (serving.read_body).
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, on_error=_error_counter(state))
+    app.add_middleware(RequestIdMiddleware)
+    if settings.root_path.strip("/"):
+        app.add_middleware(RootPathMiddleware, prefix=settings.root_path)
     return app
 
 

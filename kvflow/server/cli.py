@@ -31,6 +31,8 @@ def add_serve_parser(subparsers) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--uds", default=None, help="listen on this Unix socket instead of host:port")
+    g.add_argument("--root-path", default="", help="serve every route under this prefix too (behind a proxy)")
     g.add_argument("--api-key", default=os.environ.get("KVFLOW_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $KVFLOW_API_KEY; /health stays open)")
     g.add_argument("--max-waiting", type=_positive_int, default=None,
@@ -60,14 +62,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or loaded.resolved.name
     aliases = {loaded.resolved.name, args.model or DEFAULT_MODEL}
     settings = ServerSettings(served_model_name=name, model_aliases=aliases, api_key=args.api_key,
-                              max_waiting=args.max_waiting, max_body_bytes=args.max_body_size)
+                              max_waiting=args.max_waiting, max_body_bytes=args.max_body_size,
+                              root_path=args.root_path)
     app = create_app(AsyncEngine(engine), settings)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    config = uvicorn.Config(app, host=args.host, port=args.port, uds=args.uds, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_grace, access_log=False)
+    where = f"unix:{args.uds}" if args.uds else f"http://{args.host}:{args.port}{args.root_path}"
     print(f"kvflow serve: model {name} ({loaded.resolved.path})\n"
           f"  dtype {str(loaded.dtype).removeprefix('torch.')}, device {loaded.device}, "
           f"context {engine.max_model_len} tokens, KV cache {engine.kv_capacity_tokens} tokens\n"
-          f"  listening on http://{args.host}:{args.port}  (OpenAI: /v1, Ollama: /api, /metrics, /health)",
+          f"  listening on {where}  (OpenAI: /v1, Ollama: /api, /metrics, /health)",
           file=sys.stderr, flush=True)
     _GracefulServer(config).run()
     return 0

@@ -17,6 +17,7 @@ _KINDS = {
     401: ("invalid_request_error", "unauthorized"),
     404: ("invalid_request_error", "not_found"),
     413: ("invalid_request_error", "too_large"),
+    415: ("invalid_request_error", "unsupported_media_type"),
     422: ("invalid_request_error", "invalid_request"),
     500: ("server_error", "engine"),
     503: ("server_error", "overloaded"),
@@ -79,7 +80,9 @@ def from_value_error(exc: ValueError, param_names: dict[str, str] | None = None)
 
 def error_response(request: Request, error: APIError) -> JSONResponse:
     """The error in the shape of the API the path belongs to: Ollama's, Anthropic's, or OpenAI's."""
-    path = request.url.path
+    from kvflow.server.middleware import route_path
+
+    path = route_path(request.scope)
     if path.startswith("/api/"):
         body = {"error": error.message}
     elif path.startswith("/v1/messages"):

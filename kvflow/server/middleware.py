@@ -21,6 +21,49 @@ async def _reject(scope: Scope, receive: Receive, send: Send, error: APIError, o
     await error_response(Request(scope, receive), error)(scope, receive, send)
 
 
+def route_path(scope: Scope) -> str:
+    """The path without the --root-path prefix the server may be mounted at."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root):
+        return path[len(root):] or "/"
+    return path
+
+
+class RootPathMiddleware:
+    """--root-path: every route is also served under the prefix (as when a proxy forwards /prefix/... to
+    the server without stripping it); the prefix becomes the ASGI root_path, so /docs links include it."""
+
+    def __init__(self, app: ASGIApp, prefix: str) -> None:
+        self.app, self.prefix = app, "/" + prefix.strip("/")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] in ("http", "websocket") and (path == self.prefix or path.startswith(self.prefix + "/")):
+            scope = {**scope, "root_path": scope.get("root_path", "") + self.prefix,
+                     "path": path[len(self.prefix):] or "/"}
+        await self.app(scope, receive, send)
+
+
+class RequestIdMiddleware:
+    """An X-Request-Id the client sends comes back on the response (the routes also use it as the
+    request's id); vLLM's clients and proxies rely on both."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        given = dict(scope.get("headers", [])).get(b"x-request-id") if scope["type"] == "http" else None
+        if not given:
+            return await self.app(scope, receive, send)
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", given)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 class APIKeyMiddleware:
     """401 unless `Authorization: Bearer KEY` (or Ollama-style `Authorization: KEY`, or Anthropic-style
     `x-api-key: KEY`) matches."""
@@ -29,7 +72,7 @@ class APIKeyMiddleware:
         self.app, self.api_key, self.on_error = app, api_key, on_error
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or route_path(scope) in OPEN_PATHS:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         given = headers.get(b"authorization", b"").decode("latin-1").strip()

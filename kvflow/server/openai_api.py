@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 
@@ -27,6 +26,7 @@ from kvflow.server.serving import (
     get_state,
     iterate,
     parse_body,
+    request_id,
     request_timings,
     submit,
     timing_headers,
@@ -47,6 +47,14 @@ async def list_models(request: Request) -> dict:
     }]}
 
 
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(request: Request, model_id: str) -> dict:
+    state = get_state(request)
+    state.check_model(model_id)
+    return {"id": state.model_name, "object": "model", "created": int(state.started), "owned_by": "kvflow",
+            "max_model_len": state.engine.engine.max_model_len}
+
+
 @router.post("/v1/completions", openapi_extra=openapi.body(CompletionRequest))
 async def create_completion(request: Request):
     state = get_state(request)
@@ -56,7 +64,7 @@ async def create_completion(request: Request):
     check_constraint(state, params, body.structured_output()[1])
     prompts = body.prompts()
     echo_texts = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in prompts] if body.echo else []
-    rid = f"cmpl-{uuid.uuid4().hex}"
+    rid = request_id(request, "cmpl")
     streams = await submit(state, prompts, params, rid)
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name}
     if body.stream:
@@ -85,7 +93,7 @@ async def create_chat_completion(request: Request):
                      skip_special_tokens=params.skip_special_tokens and chat.tool_format in (None, HERMES))
     check_constraint(state, params, chat.constraint_field)
     prompt = chat.prompt
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    rid = request_id(request, "chatcmpl")
     streams = await submit(state, [prompt], params, rid)
     head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name}
     k = body.top_logprobs or 0
@@ -139,15 +147,18 @@ class _ChoiceCursor:
 
 async def _follow(
     request: Request, body: SamplingFields, streams: Sequence[RequestStream], head: dict, n: int,
-    cursors: dict[int, _ChoiceCursor], with_logprobs: bool,
+    cursors: dict[int, _ChoiceCursor], with_logprobs: bool, latest: list | None = None,
 ) -> AsyncIterator[tuple[int, CompletionOutput, list, list, _ChoiceCursor] | str]:
     """Yields (choice index, completion, new token ids, their logprob entries, cursor) for every choice
     with something to send, then the closing SSE events (the usage chunk when asked for, and [DONE]);
-    an engine failure ends the stream with an error event."""
+    an engine failure ends the stream with an error event. `latest` (one slot per stream) is kept at each
+    stream's newest output, for usage in every chunk."""
     finals: list[RequestOutput | None] = [None] * len(streams)
     async with abort_on_disconnect(request, streams):
         try:
             async for i, out in iterate(streams):
+                if latest is not None:
+                    latest[i] = out
                 if out.finished:
                     finals[i] = out
                 for c in out.outputs:
@@ -175,16 +186,18 @@ async def _completion_events(
 ) -> AsyncIterator[str]:
     n, k = body.n, body.logprobs
     tail = {"usage": None} if body.include_usage else {}
+    latest: list = [None] * len(streams)
     cursors: dict[int, _ChoiceCursor] = {}
     for i, text in enumerate(echo_texts):
         for j in range(n):
             cursors[i * n + j] = _ChoiceCursor(len(text))
             choice = {"index": i * n + j, "text": text, "logprobs": None, "finish_reason": None}
             yield sse({**head, "choices": [choice], **tail})
-    async for item in _follow(request, body, streams, head, n, cursors, k is not None):
+    async for item in _follow(request, body, streams, head, n, cursors, k is not None, latest):
         if isinstance(item, str):
             yield item
             continue
+        tail = _running_usage(body, latest, tail)
         index, c, ids, entries, cursor = item
         lp = None
         if k is not None:
@@ -201,14 +214,16 @@ async def _chat_events(
     tail = {"usage": None} if body.include_usage else {}
     k = body.top_logprobs or 0
     parsers: dict[int, _StreamedAnswer] = {}
+    latest: list = [None] * len(streams)
     for j in range(body.n):  # the first chunk of every choice names the role
         choice = {"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None}
         yield sse({**head, "choices": [choice], **tail})
-    async for item in _follow(request, body, streams, head, body.n, {}, bool(body.logprobs)):
+    async for item in _follow(request, body, streams, head, body.n, {}, bool(body.logprobs), latest):
         if isinstance(item, str):
             yield item
             continue
+        tail = _running_usage(body, latest, tail)
         index, c, ids, entries, _ = item
         lp = chat_logprobs(ids, entries, k) if body.logprobs else None
         if parser is None:
@@ -221,6 +236,13 @@ async def _chat_events(
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
             lp = None  # a token's logprobs go with the first chunk its text is in
             yield sse({**head, "choices": [choice], **tail})
+
+
+def _running_usage(body: SamplingFields, latest: list, tail: dict) -> dict:
+    """With stream_options.continuous_usage_stats, every chunk carries the usage so far."""
+    if body.stream_options is None or not body.stream_options.continuous_usage_stats:
+        return tail
+    return {"usage": usage([o for o in latest if o is not None])}
 
 
 class _StreamedAnswer:

@@ -23,6 +23,7 @@ class Strict(BaseModel):
 
 class StreamOptions(Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk
 
 
 class Lenient(BaseModel):
@@ -123,8 +124,6 @@ class SamplingFields(Strict):
         return (found[0][1], found[0][0]) if found else (None, None)
 
     def check_common(self) -> None:
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias", "unsupported_parameter")
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of must equal n (kvflow returns every sample)", "best_of",
                               "unsupported_parameter")
@@ -137,7 +136,7 @@ class SamplingFields(Strict):
             structured_output=self.structured_output()[0],
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens,
+            skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias(),
         )
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty", "min_tokens"):
@@ -151,6 +150,17 @@ class SamplingFields(Strict):
 
     def param_names(self) -> dict[str, str]:
         return {}
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI sends token ids as JSON object keys, so as strings."""
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not key.strip().isdigit():
+                raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+            bias[int(key)] = value
+        return bias
 
     @property
     def include_usage(self) -> bool:

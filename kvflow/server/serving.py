@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -38,6 +39,7 @@ class ServerSettings:
     max_waiting: int | None = None  # refuse new requests (503) while this many wait; None: no limit
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     retry_after_s: int = 1
+    root_path: str = ""  # --root-path: every route also served under this prefix
 
 
 class ServerState:
@@ -80,9 +82,16 @@ def get_state(request: Request) -> ServerState:
     return request.app.state.kvflow
 
 
+def request_id(request: Request, prefix: str) -> str:
+    """The client's X-Request-Id when it sent one, else a fresh id."""
+    given = request.headers.get("x-request-id", "").strip()
+    return given[:200] if given else f"{prefix}-{uuid.uuid4().hex}"
+
+
 async def parse_body(request: Request, model: type[M]) -> M:
     """The JSON body as `model`: 413 past the size limit (at once when Content-Length says so, else as the
     bytes arrive); malformed JSON, unknown fields and wrong types are 400s naming the field."""
+    check_json_content_type(request)
     raw = await read_body(request, get_state(request).settings.max_body_bytes)
     try:
         data = json.loads(raw)
@@ -94,6 +103,19 @@ async def parse_body(request: Request, model: type[M]) -> M:
         return model.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc) from None
+
+
+def check_json_content_type(request: Request) -> None:
+    """415 unless the body is declared JSON (or not declared at all). A browser sends text/plain and form
+    bodies across origins without asking first, so accepting them would let any web page a user opens
+    make their local server generate."""
+    declared = request.headers.get("content-type")
+    if declared is None:
+        return
+    media = declared.split(";")[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise APIError(415, f"the body must be JSON sent as Content-Type: application/json, not {media!r} "
+                       "(with curl: -H 'Content-Type: application/json')", None, "unsupported_media_type")
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
