@@ -41,8 +41,8 @@ def prepare_chat(tokenizer, body: ChatCompletionRequest) -> ChatPrompt:
     template = getattr(tokenizer, "chat_template", None) or ""
     tools = body.tools if body.calls_tools else None
     fmt = template_format(template) if tools else None
-    knows_tools = template_knows_tools(template) if tools or any(m.tool_calls or m.role == "tool" for m in body.messages) \
-        else False
+    uses_tools = bool(tools) or any(m.tool_calls or m.role == "tool" for m in body.messages)
+    knows_tools = uses_tools and template_knows_tools(template)
     messages = []
     for m in body.messages:
         message = m.as_template_dict()

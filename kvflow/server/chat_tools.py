@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict
 from kvflow.server.errors import bad_request
 from kvflow.server.reasoning import think_rule
 from kvflow.server.tool_calls import HERMES, LLAMA3, MISTRAL
-from kvflow.structured.compiler import JSON_OPTIONS
+from kvflow.structured.compiler import lark_json
 from kvflow.structured.spec import StructuredOutput
 
 
@@ -61,7 +61,8 @@ def tools_system_text(tools: list[Tool]) -> str:
 
 
 def with_tools_prompt(messages: list[dict], tools: list[Tool]) -> list[dict]:
-    """messages with the tools described at the start of the system message (added when there is none)."""
+    """messages with the tools described after the system message's own text (a system message is added
+    when there is none)."""
     text = tools_system_text(tools)
     if messages and messages[0]["role"] == "system":
         return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]
@@ -113,10 +114,6 @@ def _any_call(tools: list[Tool], args_key: str) -> dict:
     return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
 
 
-def _json_rule(schema: dict) -> str:
-    return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS}, ensure_ascii=False)
-
-
 def tool_call_grammar(tools: list[Tool], fmt: str, parallel: bool, special_ids: dict[str, int],
                       answer_schema: dict | None = None, reasoning: str | None = None) -> StructuredOutput:
     """A Lark grammar (llguidance's dialect) for an answer that is one call (or, with parallel, several) to
@@ -128,31 +125,21 @@ def tool_call_grammar(tools: list[Tool], fmt: str, parallel: bool, special_ids: 
             calls_schema["maxItems"] = 1
         tag = special_ids.get("[TOOL_CALLS]")
         lead = f"<[{tag}]>" if tag is not None else json.dumps("[TOOL_CALLS]")
-        rules = [f"calls: {lead} call_list", f"call_list: {_json_rule(calls_schema)}"]
+        rules = [f"calls: {lead} call_list", f"call_list: {lark_json(calls_schema)}"]
     elif fmt == LLAMA3:
-        rules = ['calls: call ("; " call)*' if parallel else "calls: call", f"call: {_json_rule(_any_call(tools, 'parameters'))}"]
+        rules = ['calls: call ("; " call)*' if parallel else "calls: call", f"call: {lark_json(_any_call(tools, 'parameters'))}"]
     else:
         assert fmt == HERMES
         open_tag, close_tag = json.dumps("<tool_call>\n"), json.dumps("\n</tool_call>")
         rules = ['calls: call ("\\n" call)*' if parallel else "calls: call",
-                 f"call: {open_tag} body {close_tag}", f"body: {_json_rule(_any_call(tools, 'arguments'))}"]
+                 f"call: {open_tag} body {close_tag}", f"body: {lark_json(_any_call(tools, 'arguments'))}"]
     answer = "calls"
     if answer_schema is not None:
         answer = "(calls | answer)"
-        rules.append(f"answer: {_json_rule(answer_schema)}")
+        rules.append(f"answer: {lark_json(answer_schema)}")
     if reasoning is not None:
         rules.append(think_rule(reasoning))
     start = f"start: {'think ' if reasoning is not None else ''}{answer}"
     # Wrapping up near the budget follows JSON strings through the whole text: not with thinking before it.
     return StructuredOutput(grammar="\n".join([start, *rules]), closes_like_json=reasoning is None)
 
-
-def response_format_schema(response_format) -> dict | None:
-    """The JSON schema a response_format asks for (None for text)."""
-    if response_format is None or response_format.type == "text":
-        return None
-    if response_format.type == "json_object":
-        return {"type": "object"}
-    spec = response_format.json_schema or {}
-    schema = spec.get("schema")
-    return schema if schema is not None else {"type": "object"}

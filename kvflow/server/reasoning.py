@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 
 from kvflow.server.tool_calls import _partial_suffix
-from kvflow.structured.compiler import JSON_OPTIONS
+from kvflow.structured.compiler import lark_json
 from kvflow.structured.spec import StructuredOutput
 
 OPEN, CLOSE = "<think>", "</think>"
@@ -98,7 +98,7 @@ def after_thinking(spec: StructuredOutput, mode: str) -> StructuredOutput:
     left as it is: it applies from the first token."""
     think = think_rule(mode)
     if spec.json is not None:
-        answer = "answer: %json " + json.dumps({**_as_object(spec.json), "x-guidance": JSON_OPTIONS}, ensure_ascii=False)
+        answer = "answer: " + lark_json(spec.json)
     elif spec.regex is not None:
         answer = "answer: " + _lark_regex(spec.regex)
     elif spec.choice is not None:
@@ -106,10 +106,6 @@ def after_thinking(spec: StructuredOutput, mode: str) -> StructuredOutput:
     else:
         return spec
     return StructuredOutput(grammar=f"start: think answer\n{think}\n{answer}")
-
-
-def _as_object(schema) -> dict:
-    return schema if isinstance(schema, dict) else ({} if schema else {"not": {}})
 
 
 def _lark_regex(regex: str) -> str:

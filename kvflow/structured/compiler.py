@@ -24,6 +24,14 @@ CACHE_SIZE = 256
 CLOSING_BRACKETS = frozenset("]} ")
 
 
+def lark_json(schema) -> str:
+    """A Lark rule body (llguidance's %json) matching JSON valid against schema, written as kvflow writes
+    JSON everywhere (JSON_OPTIONS); a true/false schema is any value / none."""
+    if not isinstance(schema, dict):
+        schema = {} if schema else {"not": {}}
+    return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS}, ensure_ascii=False)
+
+
 class GrammarError(ValueError):
     """A constraint that cannot be compiled (a bad schema, an unsupported keyword, a bad regex)."""
 
