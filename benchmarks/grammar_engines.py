@@ -65,18 +65,8 @@ class XGrammar:
     def walk(self, compiled, steps: int, rng: random.Random) -> list[float]:
         matcher = self.xgr.GrammarMatcher(compiled)
         bitmask = self.xgr.allocate_token_bitmask(1, self.vocab)
-        times = []
-        for _ in range(steps):
-            if matcher.is_terminated():
-                break
-            start = time.perf_counter()
-            matcher.fill_next_token_bitmask(bitmask)
-            times.append(time.perf_counter() - start)
-            allowed = _allowed(bitmask, self.vocab)
-            if not allowed:
-                break
-            matcher.accept_token(rng.choice(allowed))
-        return times
+        return _timed_walk(matcher.is_terminated, lambda: matcher.fill_next_token_bitmask(bitmask), bitmask,
+                           matcher.accept_token, self.vocab, steps, rng)
 
 
 class LLGuidance:
@@ -102,18 +92,24 @@ class LLGuidance:
     def walk(self, grammar: str, steps: int, rng: random.Random) -> list[float]:
         matcher = self.ll.LLMatcher(self.tokenizer, grammar, log_level=0)
         bitmask = torch.zeros(1, (self.vocab + 31) // 32, dtype=torch.int32)
-        times = []
-        for _ in range(steps):
-            if matcher.is_stopped():
-                break
-            start = time.perf_counter()
-            matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), bitmask.numel() * 4)
-            times.append(time.perf_counter() - start)
-            allowed = _allowed(bitmask, self.vocab)
-            if not allowed:
-                break
-            matcher.consume_token(rng.choice(allowed))
-        return times
+        fill = lambda: matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), bitmask.numel() * 4)  # noqa: E731
+        return _timed_walk(matcher.is_stopped, fill, bitmask, matcher.consume_token, self.vocab, steps, rng)
+
+
+def _timed_walk(done, fill, bitmask: torch.Tensor, accept, vocab: int, steps: int, rng: random.Random) -> list[float]:
+    """Seconds of each mask fill along a walk that takes a random allowed token each step."""
+    times = []
+    for _ in range(steps):
+        if done():
+            break
+        start = time.perf_counter()
+        fill()
+        times.append(time.perf_counter() - start)
+        allowed = _allowed(bitmask, vocab)
+        if not allowed:
+            break
+        accept(rng.choice(allowed))
+    return times
 
 
 def measure(engine_cls, tokenizer, vocab: int, cases: list[dict], steps: int) -> dict:

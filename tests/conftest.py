@@ -60,6 +60,14 @@ def fast_loaded():
 
 
 @pytest.fixture(scope="session")
+def grammar_compiler(default_loaded):
+    """Structured-output grammars for the default model's tokenizer (its tables are built once)."""
+    from kvflow.structured.compiler import GrammarCompiler
+
+    return GrammarCompiler(default_loaded.tokenizer, default_loaded.arch.vocab_size, 2)
+
+
+@pytest.fixture(scope="session")
 def hf_default(default_gguf):
     """transformers' own load of the same GGUF: the reference implementation."""
     from transformers import AutoModelForCausalLM

@@ -10,6 +10,7 @@ import json
 import logging
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 import torch
 
@@ -24,7 +25,7 @@ from kvflow.layers.sampler import Sampler, SamplingRow, make_generator
 from kvflow.outputs import Logprob, RequestOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured.compiler import GrammarCompiler
-from kvflow.structured.mask_prefetch import MaskPrefetcher, has_idle_core, rows_of
+from kvflow.structured.mask_prefetch import MaskPrefetcher, has_idle_core
 from kvflow.structured.sequence_grammar import SequenceGrammar
 
 log = logging.getLogger("kvflow")
@@ -174,7 +175,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         masks = self._prefetch_masks(sched)
         logits, sample_ids = self.runner.execute(sched)
-        sampled, touched = self._sample(sched, logits, sample_ids, rows_of(*masks) if masks[0] is not None else None)
+        sampled, touched = self._sample(sched, logits, sample_ids, masks.result() if masks is not None else {})
         updated = self.scheduler.update_from_output(sched, sampled)
         for request in updated:
             self._process_tokens(request)
@@ -191,24 +192,24 @@ class LLMEngine:
                 self._drop(group)
         return outputs
 
-    def _prefetch_masks(self, sched: SchedulerOutput) -> tuple[object | None, list[str]]:
+    def _prefetch_masks(self, sched: SchedulerOutput) -> Future | None:
         """Start computing the token masks of this step's constrained sequences, to overlap the forward
-        (structured/mask_prefetch.py); (None, []) where there is no idle core for it or nothing to mask."""
+        (structured/mask_prefetch.py); None where there is no idle core for it or nothing to mask."""
         if not self.mask_prefetch:
-            return None, []
-        ids = [s.request.request_id for s in sched.scheduled
-               if s.sample and (seq := self.sequences.get(s.request.request_id)) is not None and seq.grammar is not None]
-        if not ids:
-            return None, []
+            return None
+        matchers = {s.request.request_id: seq.grammar.matcher for s in sched.scheduled
+                    if s.sample and (seq := self.sequences.get(s.request.request_id)) is not None
+                    and seq.grammar is not None}
+        if not matchers:
+            return None
         if self._prefetcher is None:
             self._prefetcher = MaskPrefetcher()
-        matchers = [self.sequences[rid].grammar.matcher for rid in ids]
-        return self._prefetcher.start(matchers, self.loaded.arch.vocab_size), ids
+        return self._prefetcher.start(matchers, self.loaded.arch.vocab_size)
 
     def _sample(
-        self, sched: SchedulerOutput, logits: torch.Tensor, sample_ids: list[str],
-        prefetched: dict | None = None,
+        self, sched: SchedulerOutput, logits: torch.Tensor, sample_ids: list[str], prefetched: dict,
     ) -> tuple[dict[str, list[int]], set[str]]:
+        """prefetched: token masks computed during the forward, by request id (_prefetch_masks)."""
         rows: list[SamplingRow] = []
         row_logits: list[int] = []
         owners: list[SequenceState] = []
@@ -221,7 +222,7 @@ class LLMEngine:
             touched.add(group.request_id)
             targets = [seq] + self._fork_children(sched, group, seq)
             for target in targets:
-                rows.append(self._sampling_row(target, (prefetched or {}).get(target.request.request_id)))
+                rows.append(self._sampling_row(target, prefetched.get(target.request.request_id)))
                 row_logits.append(i)
                 owners.append(target)
         if not rows:
@@ -260,17 +261,20 @@ class LLMEngine:
     def _sampling_row(self, seq: SequenceState, mask_words=None) -> SamplingRow:
         req = seq.request
         params = req.sampling_params
-        suppress: list[int] = []
-        ends = list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids)
-        if req.num_output_tokens < params.min_tokens:
-            suppress = ends
         grammar = seq.grammar
+        below_min = req.num_output_tokens < params.min_tokens
+        ends = self._end_tokens(params) if below_min or grammar is not None else []
+        suppress = ends if below_min else []
         if grammar is None:
             return SamplingRow(params, req.prompt_token_ids, req.output_token_ids, seq.generator, suppress)
         wrap_up = grammar.wrapping_up(req.num_output_tokens, req.max_tokens)
         return SamplingRow(params, req.prompt_token_ids, req.output_token_ids, seq.generator, suppress,
                            grammar.matcher, ends, self.grammars.closing_tokens if wrap_up else None,
                            grammar.in_string, mask_words)
+
+    def _end_tokens(self, params: SamplingParams) -> list[int]:
+        """The tokens that end a request: its stop ids, and EOS unless it ignores it."""
+        return list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids)
 
     def _record_logprobs(self, seq: SequenceState, token: int, lp: float | None, top) -> None:
         entry: dict[int, Logprob] = {}

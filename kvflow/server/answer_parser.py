@@ -27,11 +27,6 @@ class AnswerParser:
         self.thinking = ReasoningParser(reasoning) if reasoning is not None else None
         self.tools = ToolCallParser(tool_format) if tool_format is not None else None
 
-    @property
-    def splits(self) -> bool:
-        """Whether there is anything to split off (else the text is all content)."""
-        return self.thinking is not None or self.tools is not None
-
     def feed(self, text: str) -> AnswerPiece:
         out = AnswerPiece()
         content = text

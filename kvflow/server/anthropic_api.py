@@ -69,6 +69,9 @@ async def create_message(request: Request):
     return JSONResponse(doc, headers=timing_headers(doc["usage"]["kvflow_timings"]))
 
 
+_TEXT_BLOCKS = {"thinking": {"type": "thinking", "thinking": "", "signature": ""}, "text": {"type": "text", "text": ""}}
+
+
 def _event(kind: str, **fields) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, ensure_ascii=False)}\n\n"
 
@@ -76,28 +79,20 @@ def _event(kind: str, **fields) -> str:
 async def _events(request: Request, run, head: dict) -> AsyncIterator[str]:
     yield _event("message_start", message={**head, "content": [], "stop_reason": None, "stop_sequence": None,
                                            "usage": {"input_tokens": 0, "output_tokens": 0}})
-    index, text_open, called, thinking_open = 0, False, False, False
+    index, called = 0, False
+    open_kind: str | None = None  # the kind of the text block being streamed: "thinking" or "text"
     try:
         async for piece in answer_pieces(request, run):
-            if isinstance(piece, Reasoning):
-                if not thinking_open:
-                    yield _event("content_block_start", index=index,
-                                 content_block={"type": "thinking", "thinking": "", "signature": ""})
-                    thinking_open = True
-                yield _event("content_block_delta", index=index, delta={"type": "thinking_delta", "thinking": piece})
-                continue
-            if thinking_open:
+            kind = "thinking" if isinstance(piece, Reasoning) else "text" if isinstance(piece, str) else None
+            if open_kind is not None and open_kind != kind:
                 yield _event("content_block_stop", index=index)
-                index, thinking_open = index + 1, False
-            if isinstance(piece, str):
-                if not text_open:
-                    yield _event("content_block_start", index=index, content_block={"type": "text", "text": ""})
-                    text_open = True
-                yield _event("content_block_delta", index=index, delta={"type": "text_delta", "text": piece})
+                index, open_kind = index + 1, None
+            if kind is not None:
+                if open_kind is None:
+                    yield _event("content_block_start", index=index, content_block=_TEXT_BLOCKS[kind])
+                    open_kind = kind
+                yield _event("content_block_delta", index=index, delta={"type": f"{kind}_delta", kind: str(piece)})
                 continue
-            if text_open:
-                yield _event("content_block_stop", index=index)
-                index, text_open = index + 1, False
             if isinstance(piece, ToolCall):
                 block = _tool_use(piece)
                 yield _event("content_block_start", index=index, content_block={**block, "input": {}})

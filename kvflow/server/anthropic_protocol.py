@@ -11,14 +11,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from kvflow.server.errors import bad_request
-from kvflow.server.protocol import ChatCompletionRequest
+from kvflow.server.protocol import ChatCompletionRequest, Lenient
 
 
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class Block(_Lenient):
+class Block(Lenient):
     type: str
     text: str | None = None
     id: str | None = None
@@ -29,18 +25,18 @@ class Block(_Lenient):
     is_error: bool | None = None
 
 
-class AnthropicMessage(_Lenient):
+class AnthropicMessage(Lenient):
     role: Literal["user", "assistant"]
     content: str | list[Block]
 
 
-class AnthropicTool(_Lenient):
+class AnthropicTool(Lenient):
     name: str
     description: str | None = None
     input_schema: dict | None = None
 
 
-class AnthropicToolChoice(_Lenient):
+class AnthropicToolChoice(Lenient):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None

@@ -4,8 +4,10 @@ tool calls back out of the answer."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from kvflow.sampling_params import SamplingParams
+from kvflow.server.answer_parser import AnswerParser
 from kvflow.server.chat_tools import (
     history_tool_calls,
     named_choice,
@@ -28,6 +30,19 @@ class ChatPrompt:
     constraint_field: str | None  # the request field a bad constraint is reported against
     tool_format: str | None  # the tool-call format to parse the answer with; None: no tool calls
     reasoning: str | None = None  # reasoning.INSIDE / BEFORE when the answer has thinking to split off
+
+    def sampling(self, params: SamplingParams) -> SamplingParams:
+        """params with the answer's constraint; special tokens kept in the text where the tool-call
+        format marks calls with them (Llama 3's <|python_tag|>, Mistral's [TOOL_CALLS])."""
+        keep_special = self.tool_format not in (None, HERMES)
+        return replace(params, structured_output=self.constraint,
+                       skip_special_tokens=params.skip_special_tokens and not keep_special)
+
+    def answer_parser(self) -> AnswerParser | None:
+        """A parser for one answer's thinking, content and calls; None when the text is all content."""
+        if self.tool_format is None and self.reasoning is None:
+            return None
+        return AnswerParser(self.tool_format, self.reasoning)
 
 
 def _special_ids(tokenizer, names: list[str]) -> dict[str, int]:

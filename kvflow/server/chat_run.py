@@ -5,7 +5,7 @@ whole (content and tool calls) or as a stream of text pieces and completed calls
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from fastapi import Request
 
@@ -16,7 +16,7 @@ from kvflow.server.chat_prompt import ChatPrompt, prepare_chat
 from kvflow.server.errors import APIError
 from kvflow.server.protocol import ChatCompletionRequest
 from kvflow.server.serving import ServerState, abort_on_disconnect, check_constraint, collect, submit
-from kvflow.server.tool_calls import HERMES, ToolCall
+from kvflow.server.tool_calls import ToolCall
 
 
 @dataclass
@@ -46,22 +46,24 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, request_id
     if params.n != 1:
         raise APIError(400, "this API returns one answer per request", "n")
     chat = prepare_chat(state.tokenizer, body)
-    params = replace(params, structured_output=chat.constraint,
-                     skip_special_tokens=params.skip_special_tokens and chat.tool_format in (None, HERMES))
+    params = chat.sampling(params)
     check_constraint(state, params, chat.constraint_field)
     return ChatRun(await submit(state, [chat.prompt], params, request_id), chat)
 
 
 async def whole_answer(request: Request, run: ChatRun) -> Answer:
     (final,) = await collect(request, run.streams)
-    piece = AnswerParser(run.chat.tool_format, run.chat.reasoning).whole(final.outputs[0].text)
+    parser = run.chat.answer_parser()
+    if parser is None:
+        return Answer(final.outputs[0].text, [], final)
+    piece = parser.whole(final.outputs[0].text)
     return Answer(piece.content, piece.calls, final, piece.reasoning)
 
 
 async def answer_pieces(request: Request, run: ChatRun) -> AsyncIterator[str | ToolCall | RequestOutput]:
     """Thinking (Reasoning), text pieces (str) and completed calls (ToolCall) as they come, then the final
     RequestOutput. An engine failure raises EngineDeadError to the caller, which ends its stream its own way."""
-    parser = AnswerParser(run.chat.tool_format, run.chat.reasoning)
+    parser = run.chat.answer_parser() or AnswerParser(None, None)  # the latter passes all text through
     (stream,) = run.streams
     async with abort_on_disconnect(request, run.streams):
         async for out in stream:

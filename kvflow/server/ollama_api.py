@@ -9,7 +9,6 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -35,7 +34,7 @@ from kvflow.server.serving import (
     timing_headers,
     validation_error,
 )
-from kvflow.server.tool_calls import HERMES, ToolCall
+from kvflow.server.tool_calls import ToolCall
 
 router = APIRouter()
 
@@ -119,16 +118,14 @@ async def chat(request: Request):
         raise validation_error(exc) from None
     openai_body.validate_request()
     chat_prompt = prepare_chat(state.tokenizer, openai_body)
-    params = replace(params, structured_output=chat_prompt.constraint,
-                     skip_special_tokens=chat_prompt.tool_format in (None, HERMES))
+    params = chat_prompt.sampling(params)
     check_constraint(state, params, "tools" if chat_prompt.constraint_field == "tools" else "format")
     streams = await submit(state, [chat_prompt.prompt], params, f"ollama-chat-{uuid.uuid4().hex}")
 
     def final(out: RequestOutput, text: str, calls: list[ToolCall] | None = None, thinking: str = "") -> dict:
         return {**piece(text, calls, thinking), **_final_fields(out, started)}
 
-    parser = AnswerParser(chat_prompt.tool_format, chat_prompt.reasoning)
-    return await _respond(request, state, body.stream, streams, piece, final, parser if parser.splits else None)
+    return await _respond(request, state, body.stream, streams, piece, final, chat_prompt.answer_parser())
 
 
 def _arguments(call: ToolCall):

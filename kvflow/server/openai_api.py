@@ -3,11 +3,9 @@ the pieces of their responses: logprobs blocks, usage (with kvflow_timings) and 
 
 from __future__ import annotations
 
-import copy
 import json
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -16,7 +14,7 @@ from kvflow.engine.async_engine import EngineDeadError, RequestStream
 from kvflow.outputs import CompletionOutput, Logprob, RequestOutput
 from kvflow.server import openapi
 from kvflow.server.answer_parser import AnswerParser
-from kvflow.server.chat_prompt import prepare_chat
+from kvflow.server.chat_prompt import ChatPrompt, prepare_chat
 from kvflow.server.errors import APIError
 from kvflow.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from kvflow.server.serving import (
@@ -31,7 +29,6 @@ from kvflow.server.serving import (
     submit,
     timing_headers,
 )
-from kvflow.server.tool_calls import HERMES
 
 router = APIRouter()
 
@@ -89,8 +86,7 @@ async def create_chat_completion(request: Request):
     state.check_model(body.model)
     params = body.validate_request()
     chat = prepare_chat(state.tokenizer, body)
-    params = replace(params, structured_output=chat.constraint,
-                     skip_special_tokens=params.skip_special_tokens and chat.tool_format in (None, HERMES))
+    params = chat.sampling(params)
     check_constraint(state, params, chat.constraint_field)
     prompt = chat.prompt
     rid = request_id(request, "chatcmpl")
@@ -99,17 +95,16 @@ async def create_chat_completion(request: Request):
     k = body.top_logprobs or 0
     if body.stream:
         head["object"] = "chat.completion.chunk"
-        splits = chat.tool_format is not None or chat.reasoning is not None
-        events = _chat_events(request, body, streams, head,
-                              AnswerParser(chat.tool_format, chat.reasoning) if splits else None)
+        events = _chat_events(request, body, streams, head, chat)
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
     (final,) = await collect(request, streams)
     choices = []
     for c in final.outputs:
         message: dict = {"role": "assistant", "content": c.text, "refusal": None}
         finish = c.finish_reason
-        if chat.tool_format is not None or chat.reasoning is not None:
-            answer = AnswerParser(chat.tool_format, chat.reasoning).whole(c.text)
+        parser = chat.answer_parser()
+        if parser is not None:
+            answer = parser.whole(c.text)
             message["content"] = answer.content
             if chat.reasoning is not None:
                 message["reasoning_content"] = answer.reasoning
@@ -209,7 +204,7 @@ async def _completion_events(
 
 async def _chat_events(
     request: Request, body: ChatCompletionRequest, streams: Sequence[RequestStream], head: dict,
-    parser: AnswerParser | None,
+    chat: ChatPrompt,
 ) -> AsyncIterator[str]:
     tail = {"usage": None} if body.include_usage else {}
     k = body.top_logprobs or 0
@@ -226,12 +221,12 @@ async def _chat_events(
         tail = _running_usage(body, latest, tail)
         index, c, ids, entries, _ = item
         lp = chat_logprobs(ids, entries, k) if body.logprobs else None
-        if parser is None:
+        if chat.tool_format is None and chat.reasoning is None:
             delta = {"content": c.delta_text} if c.delta_text else {}
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason}
             yield sse({**head, "choices": [choice], **tail})
             continue
-        answer = parsers.setdefault(index, _StreamedAnswer(copy.deepcopy(parser)))
+        answer = parsers.setdefault(index, _StreamedAnswer(chat.answer_parser()))
         for delta, finish in answer.deltas(c.delta_text, c.finish_reason):
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
             lp = None  # a token's logprobs go with the first chunk its text is in

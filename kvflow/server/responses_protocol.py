@@ -11,19 +11,15 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvflow.server.errors import bad_request
-from kvflow.server.protocol import ChatCompletionRequest
+from kvflow.server.protocol import ChatCompletionRequest, Lenient
 
 
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class InputContent(_Lenient):
+class InputContent(Lenient):
     type: str
     text: str | None = None
 
 
-class InputItem(_Lenient):
+class InputItem(Lenient):
     """A message, a function call the model made earlier, or that call's output (by call_id)."""
 
     type: str = "message"
@@ -35,7 +31,7 @@ class InputItem(_Lenient):
     output: str | list[InputContent] | None = None
 
 
-class FunctionTool(_Lenient):
+class FunctionTool(Lenient):
     type: Literal["function"]
     name: str
     description: str | None = None
@@ -43,15 +39,15 @@ class FunctionTool(_Lenient):
     strict: bool | None = None
 
 
-class TextFormat(_Lenient):
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
+class TextFormat(Lenient):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)  # Lenient's, and the alias below by name
     type: Literal["text", "json_object", "json_schema"] = "text"
     name: str | None = None
     schema_: dict | None = Field(None, alias="schema")  # `schema` would shadow pydantic's own method
     strict: bool | None = None
 
 
-class TextOptions(_Lenient):
+class TextOptions(Lenient):
     format: TextFormat | None = None
 
 

@@ -9,10 +9,8 @@ masks are computed after the forward, in the sampler."""
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import numpy as np
 import torch
 
 from kvflow.structured.masks import mask_words
@@ -26,16 +24,10 @@ class MaskPrefetcher:
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvflow-masks")
 
-    def start(self, matchers: Sequence, vocab_size: int) -> Future:
-        """A future of mask_words(matchers, vocab_size)."""
-        return self._pool.submit(mask_words, list(matchers), vocab_size)
+    def start(self, matchers: dict[str, object], vocab_size: int) -> Future:
+        """A future of {request id: its mask words} for matchers by request id."""
+        ids, found = list(matchers), list(matchers.values())
+        return self._pool.submit(lambda: dict(zip(ids, mask_words(found, vocab_size))))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-
-
-def rows_of(future: Future | None, ids: Sequence[str]) -> dict[str, np.ndarray]:
-    """The prefetched mask words by request id (empty when nothing was prefetched)."""
-    if future is None:
-        return {}
-    return dict(zip(ids, future.result()))

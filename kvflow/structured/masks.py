@@ -38,13 +38,6 @@ def unpack_allowed(words: np.ndarray, vocab_size: int, matcher, extra_allowed: S
     return allowed
 
 
-def allowed_tokens(matchers: Sequence, vocab_size: int, extra_allowed: Sequence[Sequence[int]]) -> np.ndarray:
-    """bool [len(matchers), vocab_size]: unpack_allowed for each matcher's mask."""
-    bits = mask_words(matchers, vocab_size)
-    return np.stack([unpack_allowed(bits[row], vocab_size, m, extra)
-                     for row, (m, extra) in enumerate(zip(matchers, extra_allowed))])
-
-
 def apply_masks(logits: torch.Tensor, rows: Sequence[int], allowed: np.ndarray) -> torch.Tensor:
     """Writes -inf into `logits` (in place) wherever allowed[j] is False, for logits row rows[j]; other rows
     are not touched. Each row is written through the smaller of its allowed and blocked sets (a grammar

@@ -32,6 +32,7 @@ def tool(name: str) -> str:
     if path is None:
         if REQUIRED:
             pytest.fail(f"{name} is missing (.ci/run installs it)")
+        # Outside CI a developer's machine may lack the cross tools; CI (KVFLOW_REQUIRE_CROSS) fails instead.
         pytest.skip(f"{name} is not installed (apt-get install g++-aarch64-linux-gnu qemu-user)")
     return path
 

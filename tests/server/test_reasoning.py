@@ -14,7 +14,6 @@ from kvflow.server.chat_prompt import prepare_chat
 from kvflow.server.protocol import ChatCompletionRequest
 from kvflow.server.reasoning import BEFORE, INSIDE, ReasoningParser, reasoning_mode
 from kvflow.server.tool_calls import HERMES
-from kvflow.structured.compiler import GrammarCompiler
 
 QWEN3_LIKE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
               "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
@@ -58,10 +57,10 @@ def test_the_mode_follows_template_and_prompt():
 
 
 @pytest.fixture(scope="module")
-def tokenizers(default_loaded):
+def tokenizers(default_loaded, grammar_compiler):
     qwen, r1 = copy.deepcopy(default_loaded.tokenizer), copy.deepcopy(default_loaded.tokenizer)
     qwen.chat_template, r1.chat_template = QWEN3_LIKE, R1_LIKE
-    return {"qwen": qwen, "r1": r1, "compiler": GrammarCompiler(default_loaded.tokenizer, default_loaded.arch.vocab_size, 2)}
+    return {"qwen": qwen, "r1": r1, "compiler": grammar_compiler}
 
 
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],

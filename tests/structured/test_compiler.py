@@ -6,14 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvflow.structured.compiler import GrammarCompiler, GrammarError
+from kvflow.structured.compiler import GrammarError
 from kvflow.structured.spec import StructuredOutput
 from structured.schema_suite import CASES
-
-
-@pytest.fixture(scope="module")
-def compiler(default_loaded) -> GrammarCompiler:
-    return GrammarCompiler(default_loaded.tokenizer, default_loaded.arch.vocab_size, 2)
 
 
 def test_the_whole_schema_suite_compiles(compiler):

@@ -8,18 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from kvflow.structured.compiler import GrammarCompiler
 from kvflow.structured.json_state import JsonStringState
-from kvflow.structured.masks import allowed_tokens, apply_masks, closing_cost, wrap_up
+from kvflow.structured.masks import apply_masks, closing_cost, wrap_up
 from kvflow.structured.spec import StructuredOutput
+from structured.grammar_helpers import allowed_tokens
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}},
           "required": ["name", "tags"], "additionalProperties": False}
-
-
-@pytest.fixture(scope="module")
-def compiler(default_loaded) -> GrammarCompiler:
-    return GrammarCompiler(default_loaded.tokenizer, default_loaded.arch.vocab_size, 2)
 
 
 def _walk(compiler, text: str):

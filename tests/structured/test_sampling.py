@@ -10,17 +10,11 @@ import torch
 
 from kvflow import SamplingParams
 from kvflow.layers.sampler import Sampler, SamplingRow
-from kvflow.structured.compiler import GrammarCompiler
-from kvflow.structured.masks import allowed_tokens
 from kvflow.structured.spec import StructuredOutput
+from structured.grammar_helpers import allowed_tokens
 
 SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["alpha", "beta"]}, "n": {"type": "integer"}},
           "required": ["kind", "n"], "additionalProperties": False}
-
-
-@pytest.fixture(scope="module")
-def compiler(default_loaded) -> GrammarCompiler:
-    return GrammarCompiler(default_loaded.tokenizer, default_loaded.arch.vocab_size, 2)
 
 
 def _matcher(compiler, prefix: str):
