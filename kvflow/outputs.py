@@ -57,3 +57,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # Per prompt token (None for the first, which nothing predicts), when prompt_logprobs was asked for;
+    # filled in as the prompt is computed, complete by the first output token.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    error: str | None = None  # set when the engine failed on this request alone (it is then finished)

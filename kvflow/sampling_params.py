@@ -18,12 +18,15 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
-    max_tokens: int | None = 16  # None: until EOS or the context is full
+    max_tokens: int | None = 16  # None: until EOS or the context is full; 0: compute the prompt only
     min_tokens: int = 0
     stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: the chosen token's logprob plus the top k alternatives
+    # The same for every prompt token after the first (what the model thought of the prompt: scoring,
+    # perplexity). The prompt is then computed in full, never read from the prefix cache.
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_output: StructuredOutput | None = None  # a JSON schema, regex, choice or grammar to match
@@ -63,8 +66,8 @@ class SamplingParams:
         if self.seed is not None and not -(2**63) <= self.seed <= 2**63 - self.n:
             # Sample i of n draws from seed + i, which must fit a signed 64-bit integer too.
             raise bad("seed", f"must be a signed 64-bit integer (at most 2**63 - n = {2**63 - self.n})")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise bad("max_tokens", "must be an integer >= 1")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 0):
+            raise bad("max_tokens", "must be an integer >= 0")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -73,8 +76,10 @@ class SamplingParams:
             raise bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            raise bad("logprobs", "must be an integer in [0, 20]")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= 20):
+                raise bad(name, "must be an integer in [0, 20]")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or any(not isinstance(t, int) or t < 0 for t in self.logit_bias):
                 raise bad("logit_bias", "must map non-negative token ids to biases")

@@ -25,7 +25,7 @@ INVALID = [
     ("frequency_penalty", -3.0),
     ("seed", 1.5),
     ("seed", "7"),
-    ("max_tokens", 0),
+    ("max_tokens", -1), ("prompt_logprobs", 21), ("prompt_logprobs", True),
     ("max_tokens", 2.0),
     ("min_tokens", -1),
     ("stop", [""]),

@@ -30,6 +30,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop failed while running this request, or is shut down."""
 
 
+class RequestFailedError(EngineDeadError):
+    """The engine failed on this request alone (the others in its step went on)."""
+
+
 @dataclass(frozen=True)
 class EngineStats:
     """A snapshot taken by the engine thread after every step and every batch of commands."""
@@ -76,6 +80,8 @@ class RequestStream:
         while isinstance(item, RequestOutput) and not item.finished and not self._queue.empty():
             nxt = self._queue.get_nowait()
             item = merge_outputs(item, nxt) if isinstance(nxt, RequestOutput) else nxt
+        if isinstance(item, RequestOutput) and item.error is not None:
+            item = RequestFailedError(f"the engine failed on this request: {item.error}")
         if isinstance(item, BaseException):
             self.finished = True
             raise item

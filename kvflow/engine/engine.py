@@ -137,6 +137,8 @@ class LLMEngine:
             params = _with_stop_ids(params, extra)
         request = Request(engine_id, group.prompt_token_ids, params, self.eos_token_ids[0] if self.eos_token_ids
                           else None, arrival_time)
+        if params.prompt_logprobs is not None and index == 0 and request.num_prompt_tokens > 1:
+            request.prompt_logits_from = 0  # the first sequence scores the prompt for the group
         seed = None if params.seed is None else params.seed + index
         generator = None if seed is None else make_generator(seed, self.loaded.device)
         state = SequenceState(
@@ -174,11 +176,18 @@ class LLMEngine:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         masks = self._prefetch_masks(sched)
-        logits, sample_ids = self.runner.execute(sched)
-        sampled, touched = self._sample(sched, logits, sample_ids, masks.result() if masks is not None else {})
+        step = self.runner.execute(sched)
+        touched: set[str] = set()
+        if step.prompt_spans:
+            self._record_prompt_logprobs(step.logits[len(step.sample_request_ids):], step.prompt_spans, touched)
+        sampled = self._sample(sched, step.sampled, step.sample_request_ids,
+                               masks.result() if masks is not None else {}, touched)
         updated = self.scheduler.update_from_output(sched, sampled)
         for request in updated:
-            self._process_tokens(request)
+            try:
+                self._process_tokens(request)
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not end the others'
+                self._fail_group(self.sequences.get(request.request_id), exc, touched)
         self.num_steps += 1
         if self._trace is not None:
             self._write_trace(sched, time.perf_counter() - t0)
@@ -208,35 +217,98 @@ class LLMEngine:
 
     def _sample(
         self, sched: SchedulerOutput, logits: torch.Tensor, sample_ids: list[str], prefetched: dict,
-    ) -> tuple[dict[str, list[int]], set[str]]:
-        """prefetched: token masks computed during the forward, by request id (_prefetch_masks)."""
+        touched: set[str],
+    ) -> dict[str, list[int]]:
+        """The step's new token per sampled sequence; adds the groups it touched to `touched`.
+        prefetched: token masks computed during the forward, by request id (_prefetch_masks)."""
         rows: list[SamplingRow] = []
         row_logits: list[int] = []
         owners: list[SequenceState] = []
-        touched: set[str] = set()
         for i, rid in enumerate(sample_ids):
             seq = self.sequences.get(rid)
             if seq is None:
                 continue
             group = self._group_of(seq)
             touched.add(group.request_id)
-            targets = [seq] + self._fork_children(sched, group, seq)
-            for target in targets:
-                rows.append(self._sampling_row(target, prefetched.get(target.request.request_id)))
+            try:
+                targets = [seq] + self._fork_children(sched, group, seq)
+                # max_tokens 0 asks for the prompt alone (its logprobs, its KV): nothing is sampled.
+                built = [(self._sampling_row(t, prefetched.get(t.request.request_id)), t) for t in targets
+                         if t.request.max_tokens != 0]
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not end the others'
+                self._fail_group(seq, exc, touched)
+                continue
+            for row, target in built:
+                rows.append(row)
                 row_logits.append(i)
                 owners.append(target)
         if not rows:
-            return {}, touched
+            return {}
         if row_logits == list(range(logits.shape[0])):  # one row per logit row, in order: no copy needed
             result = self.sampler(logits, rows)
         else:
             result = self.sampler(logits.index_select(0, torch.tensor(row_logits, device=logits.device)), rows)
+        sampled = {}
         for j, seq in enumerate(owners):
-            if seq.logprobs is not None:
-                self._record_logprobs(seq, result.token_ids[j], result.logprobs[j], result.top_logprobs[j])
-            if seq.grammar is not None and result.token_ids[j] not in rows[j].end_token_ids:
-                seq.grammar.accept(result.token_ids[j], seq.request.request_id)
-        return {seq.request.request_id: [result.token_ids[j]] for j, seq in enumerate(owners)}, touched
+            try:
+                if seq.logprobs is not None:
+                    self._record_logprobs(seq, result.token_ids[j], result.logprobs[j], result.top_logprobs[j])
+                if seq.grammar is not None and result.token_ids[j] not in rows[j].end_token_ids:
+                    seq.grammar.accept(result.token_ids[j], seq.request.request_id)
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not end the others'
+                self._fail_group(seq, exc, touched)
+                continue
+            sampled[seq.request.request_id] = [result.token_ids[j]]
+        return sampled
+
+    def _fail_group(self, seq: SequenceState | None, exc: Exception, touched: set[str]) -> None:
+        """The engine failed on one request: it alone ends, with the error in its output; the others go on."""
+        if seq is None or seq.group_id not in self.groups:
+            return
+        log.error("request %s failed in the engine step: %s", seq.group_id, exc, exc_info=exc)
+        group = self.groups[seq.group_id]
+        group.error = f"{type(exc).__name__}: {exc}"
+        group.children_to_fork = 0
+        for s in group.sequences:
+            self.scheduler.abort_request(s.request.request_id)
+            if s.finish_reason is None:
+                s.finish_reason = "abort"
+        touched.add(group.request_id)
+
+    def _record_prompt_logprobs(self, logits: torch.Tensor, spans: list, touched: set[str]) -> None:
+        """Score the prompt tokens of this step's spans (engine/runner.PromptSpan): each logits row
+        predicts the token one position after its own. A span recomputed after a preemption adds nothing."""
+        logprobs = torch.log_softmax(logits, dim=-1)
+        row = 0
+        for span in spans:
+            rows, row = logprobs[row:row + span.count], row + span.count
+            seq = self.sequences.get(span.request_id)
+            if seq is None or seq.group_id not in self.groups:
+                continue
+            try:
+                self._score_prompt(self.groups[seq.group_id], seq.request, span.start, rows)
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not end the others'
+                self._fail_group(seq, exc, touched)
+
+    def _score_prompt(self, group: RequestGroup, request: Request, start: int, rows: torch.Tensor) -> None:
+        k = group.params.prompt_logprobs
+        scored = group.prompt_logprobs
+        targets = torch.tensor(request.prompt_token_ids[start + 1:start + 1 + rows.shape[0]])
+        chosen = rows.gather(1, targets[:, None])
+        ranks = (rows > chosen).sum(dim=1) + 1
+        top_values, top_ids = rows.topk(k, dim=1) if k else (None, None)
+        decode = self.tokenizer.decode
+        for i, (token, value, rank) in enumerate(zip(targets.tolist(), chosen[:, 0].tolist(), ranks.tolist())):
+            if start + 1 + i != len(scored):
+                continue  # scored before this recompute
+            entry = {token: Logprob(value, rank, decode([token]))}
+            if k:
+                for r, (tid, v) in enumerate(zip(top_ids[i].tolist(), top_values[i].tolist()), start=1):
+                    entry.setdefault(tid, Logprob(v, r, decode([tid])))
+            scored.append(entry)
+        request.prompt_logits_from = start + rows.shape[0]
+        if request.prompt_logits_from >= request.num_prompt_tokens - 1:
+            request.prompt_logits_from = None  # all scored: the prefix cache may serve it again
 
     def _fork_children(self, sched: SchedulerOutput, group: RequestGroup, parent: SequenceState) -> list:
         """n > 1: once the prompt is computed, the other n - 1 sequences start from the parent's KV blocks."""

@@ -97,6 +97,9 @@ class Request:
         self.timings = RequestTimings(arrival_time=now() if arrival_time is None else arrival_time)
         # Chained hashes of its full blocks, extended by the KV cache manager as blocks fill.
         self.block_hashes: list[int] = []
+        # Prompt logprobs: the first prompt position whose logits are still wanted (None: none wanted).
+        # While set, the scheduler computes the prompt in full and the runner returns those rows' logits.
+        self.prompt_logits_from: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -168,6 +171,12 @@ class RequestGroup:
     params: SamplingParams
     sequences: list[SequenceState] = field(default_factory=list)
     children_to_fork: int = 0  # n - 1 until the first sequence's prompt is computed
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # by prompt position, as computed
+    error: str | None = None  # why the engine failed on this request alone
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]  # the first prompt token has no logprob: nothing predicts it
 
     @property
     def finished(self) -> bool:
@@ -201,8 +210,10 @@ class RequestGroup:
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
             outputs=[s.completion() for s in self.sequences],
-            finished=self.finished,
+            finished=self.finished or self.error is not None,
             metrics=self.metrics(),
+            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
+            error=self.error,
         )
         for s in self.sequences:
             s.delta_text, s.delta_token_ids = "", []

@@ -34,8 +34,32 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # rows of the flat batch whose logits are sampled
+    logits_indices: torch.Tensor  # rows of the flat batch whose logits are returned: sampled ones first
     sample_request_ids: list[str]
+    prompt_spans: list[PromptSpan]  # then the prompt rows whose logits are wanted, in this order
+
+
+@dataclass
+class PromptSpan:
+    """Rows of a step's logits that score prompt tokens: the logits at positions [start, start + count) of
+    request_id, each of which predicts the prompt token one position later."""
+
+    request_id: str
+    start: int
+    count: int
+
+
+@dataclass
+class StepLogits:
+    """What a step returns: float32 logits [sampled rows + prompt rows, vocab]."""
+
+    logits: torch.Tensor
+    sample_request_ids: list[str]
+    prompt_spans: list[PromptSpan]
+
+    @property
+    def sampled(self) -> torch.Tensor:
+        return self.logits[: len(self.sample_request_ids)]
 
 
 class ModelRunner:
@@ -89,8 +113,16 @@ class ModelRunner:
         tokens: list[int] = []
         positions = []
         query_lens, seq_lens, logits_indices, sample_ids = [], [], [], []
+        prompt_rows: list[int] = []
+        spans: list[PromptSpan] = []
         for seq in scheduled:
             req, start, n = seq.request, seq.start, seq.num_tokens
+            if req.prompt_logits_from is not None:
+                # The last prompt position predicts the first output token: that row is the sampled one.
+                first, end = max(start, req.prompt_logits_from), min(start + n, req.num_prompt_tokens - 1)
+                if end > first:
+                    prompt_rows.extend(range(len(tokens) + first - start, len(tokens) + end - start))
+                    spans.append(PromptSpan(req.request_id, first, end - first))
             tokens.extend(req.all_token_ids[start : start + n])
             positions.append(np.arange(start, start + n))
             query_lens.append(n)
@@ -98,6 +130,7 @@ class ModelRunner:
             if seq.sample:
                 logits_indices.append(len(tokens) - 1)
                 sample_ids.append(req.request_id)
+        logits_indices += prompt_rows
         starts = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
         dev = self.device
         common = dict(query_start_loc=torch.from_numpy(starts).to(dev),
@@ -113,6 +146,7 @@ class ModelRunner:
             meta=meta,
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
             sample_request_ids=sample_ids,
+            prompt_spans=spans,
         )
 
     def _cache_places(self, scheduled, positions: list[np.ndarray], group: int) -> dict:
@@ -144,10 +178,10 @@ class ModelRunner:
             v_cache[dst] = v_cache[src]
 
     @torch.inference_mode()
-    def execute(self, scheduler_output) -> tuple[torch.Tensor, list[str]]:
-        """Run one step; returns float32 logits [num sampled sequences, vocab] and their request ids."""
+    def execute(self, scheduler_output) -> StepLogits:
+        """Run one step: the logits of its sampled sequences, then of the prompt rows asked for."""
         self.copy_blocks(scheduler_output.block_copies)
         if not scheduler_output.scheduled:
-            return torch.empty(0, self.loaded.arch.vocab_size), []
+            return StepLogits(torch.empty(0, self.loaded.arch.vocab_size), [], [])
         inputs = self.prepare(scheduler_output.scheduled)
-        return self.executor.execute(inputs), inputs.sample_request_ids
+        return StepLogits(self.executor.execute(inputs), inputs.sample_request_ids, inputs.prompt_spans)

@@ -21,6 +21,8 @@ from kvflow.engine.kv_cache_manager import KVCacheManager
 from kvflow.engine.request import Request, RequestStatus, now
 from kvflow.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 
+PROMPT_LOGITS_CHUNK = 512  # at most this many prompt tokens a step for a request that wants their logits
+
 
 def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
     """Whether the request's last output token ends it. EOS and stop ids wait for min_tokens outputs;
@@ -101,8 +103,8 @@ class Scheduler:
                 f"prompt of {n_prompt} tokens + max_tokens {max_tokens} = {n_prompt + max_tokens} tokens "
                 f"exceeds max_model_len {max_len}"
             )
-        # KV is needed for every token but the last sampled one.
-        most_computed = n_prompt + max_tokens - 1
+        # KV is needed for every token but the last sampled one (max_tokens 0: the prompt alone).
+        most_computed = n_prompt + max(max_tokens, 1) - 1
         if most_computed > pool_tokens:
             blocks_needed = self.kv_cache_manager.blocks_needed(most_computed)
             raise ValueError(
@@ -187,20 +189,22 @@ class Scheduler:
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         return out
 
-    def _chunk_size(self, num_left: int, budget: int) -> int:
+    def _chunk_size(self, request: Request, num_left: int, budget: int) -> int:
         """How many of a request's num_left tokens to compute now; 0 means not this step. Without chunked
         prefill a request runs whole or waits, so the per-request threshold does not apply."""
         if not self.config.enable_chunked_prefill:
             return num_left if num_left <= budget else 0
         if self.config.long_prefill_token_threshold > 0:
             num_left = min(num_left, self.config.long_prefill_token_threshold)
+        if request.prompt_logits_from is not None:
+            num_left = min(num_left, PROMPT_LOGITS_CHUNK)  # bounds the float32 logits a step holds
         return min(num_left, budget)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0 and len(out.scheduled) < self.config.max_num_seqs:
             request = self.running[i]
-            num_new = self._chunk_size(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._chunk_size(request, request.num_tokens - request.num_computed_tokens, budget)
             if num_new == 0:
                 i += 1
                 continue
@@ -231,8 +235,11 @@ class Scheduler:
             and len(out.scheduled) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
-            hit_block_ids, num_hit_tokens = kv.get_computed_blocks(request)
-            num_new = self._chunk_size(request.num_tokens - num_hit_tokens, budget)
+            if request.prompt_logits_from is None:
+                hit_block_ids, num_hit_tokens = kv.get_computed_blocks(request)
+            else:  # cached blocks hold K/V but no logits: the prompt is computed again
+                hit_block_ids, num_hit_tokens = None, 0
+            num_new = self._chunk_size(request, request.num_tokens - num_hit_tokens, budget)
             # Strict arrival order: if the head cannot run, nothing behind it jumps the queue.
             if num_new == 0 or not kv.allocate_slots(request, num_new, hit_block_ids):
                 break
@@ -284,6 +291,11 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:  # aborted or finished since schedule()
                 continue
             self.kv_cache_manager.cache_full_blocks(request)
+            if seq.sample and request.max_tokens == 0:  # the prompt alone was asked for: it is done
+                self.running.remove(request)
+                self._finish(request, RequestStatus.FINISHED_LENGTH)
+                updated.append(request)
+                continue
             new_ids = sampled.get(request.request_id) if seq.sample else None
             if not new_ids:
                 continue

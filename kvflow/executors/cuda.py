@@ -23,6 +23,6 @@ class CudaExecutor(LayersExecutor):
             return super().execute(inputs)
         self.bind()
         hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
-        if not inputs.sample_request_ids:
+        if inputs.logits_indices.numel() == 0:
             return torch.empty(0, self.vocab_size)
         return self.model.compute_logits(hidden[inputs.logits_indices]).float()

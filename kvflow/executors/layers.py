@@ -58,6 +58,6 @@ class LayersExecutor:
         """float32 logits [rows sampled, vocab] of one step (engine/runner.StepInputs)."""
         self.bind()
         hidden = self.forward(inputs.input_ids, inputs.positions, inputs.meta)
-        if not inputs.sample_request_ids:
+        if inputs.logits_indices.numel() == 0:
             return torch.empty(0, self.vocab_size)
         return self.model.compute_logits(hidden[inputs.logits_indices]).float()

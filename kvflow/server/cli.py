@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -56,6 +57,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvflow.server.app import create_app
     from kvflow.server.serving import ServerSettings
 
+    # --log-level sets kvflow's own lines too (at info: one per finished request, by its id); -v still means info.
+    logging.getLogger("kvflow").setLevel(logging.INFO if args.verbose else args.log_level.upper())
     options = engine_config(**engine_options(args))
     engine = build_off_the_main_thread(lambda: LLMEngine(options))
     loaded = engine.loaded

@@ -16,6 +16,13 @@ from kvflow.server import openapi
 from kvflow.server.answer_parser import AnswerParser
 from kvflow.server.chat_prompt import ChatPrompt, prepare_chat
 from kvflow.server.errors import APIError
+from kvflow.server.prompt_logprobs import (
+    completion_logprobs,
+    echoed_prompt_logprobs,
+    joined,
+    top_alternatives,
+    vllm_prompt_logprobs,
+)
 from kvflow.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from kvflow.server.serving import (
     abort_on_disconnect,
@@ -72,11 +79,34 @@ async def create_completion(request: Request):
     choices = []
     for i, out in enumerate(finals):
         echo = echo_texts[i] if body.echo else ""
+        prompt_part = _prompt_fields(state, body, out)
         for c in out.outputs:
             lp = completion_logprobs(c.token_ids, c.logprobs or [], k, len(echo)) if k is not None else None
+            if "logprobs" in prompt_part:
+                lp = joined(prompt_part["logprobs"], lp)
             choices.append({"index": i * n + c.index, "text": echo + c.text, "logprobs": lp,
-                            "finish_reason": c.finish_reason})
+                            "finish_reason": c.finish_reason, **_vllm_part(prompt_part)})
     return _json_with_timings({**head, "choices": choices, "usage": usage(finals), "system_fingerprint": None})
+
+
+def _prompt_fields(state, body: SamplingFields, out: RequestOutput) -> dict:
+    """What a choice says about its prompt: with echo and logprobs on completions, the prompt's logprobs
+    block ("logprobs"); with vLLM's prompt_logprobs, that list ("prompt_logprobs")."""
+    fields: dict = {}
+    if out.prompt_logprobs is None:
+        return fields
+    k = getattr(body, "logprobs", None)
+    if getattr(body, "echo", False) and k is not None:
+        fields["logprobs"] = echoed_prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs, k,
+                                                    state.tokenizer.decode)
+    if body.prompt_logprobs is not None:
+        fields["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs,
+                                                         body.prompt_logprobs)
+    return fields
+
+
+def _vllm_part(prompt_part: dict) -> dict:
+    return {"prompt_logprobs": prompt_part["prompt_logprobs"]} if "prompt_logprobs" in prompt_part else {}
 
 
 @router.post("/v1/chat/completions", openapi_extra=openapi.body(ChatCompletionRequest))
@@ -117,7 +147,8 @@ async def create_chat_completion(request: Request):
             "logprobs": chat_logprobs(c.token_ids, c.logprobs or [], k) if body.logprobs else None,
             "finish_reason": finish,
         })
-    return _json_with_timings({**head, "choices": choices, "usage": usage([final]), "system_fingerprint": None})
+    return _json_with_timings({**head, "choices": choices, "usage": usage([final]), "system_fingerprint": None,
+                               **_vllm_part(_prompt_fields(state, body, final))})
 
 
 def _json_with_timings(body: dict) -> JSONResponse:
@@ -183,17 +214,27 @@ async def _completion_events(
     tail = {"usage": None} if body.include_usage else {}
     latest: list = [None] * len(streams)
     cursors: dict[int, _ChoiceCursor] = {}
+    # A scored prompt's chunk waits for its logprobs, which come with the choice's first output.
+    scored = body.prompt_logprobs_wanted is not None
     for i, text in enumerate(echo_texts):
         for j in range(n):
             cursors[i * n + j] = _ChoiceCursor(len(text))
-            choice = {"index": i * n + j, "text": text, "logprobs": None, "finish_reason": None}
-            yield sse({**head, "choices": [choice], **tail})
+            if not scored:
+                yield sse({**head, "choices": [{"index": i * n + j, "text": text, "logprobs": None,
+                                                "finish_reason": None}], **tail})
+    introduced: set[int] = set()
     async for item in _follow(request, body, streams, head, n, cursors, k is not None, latest):
         if isinstance(item, str):
             yield item
             continue
         tail = _running_usage(body, latest, tail)
         index, c, ids, entries, cursor = item
+        if scored and index not in introduced:
+            introduced.add(index)
+            prompt_part = _prompt_fields(get_state(request), body, latest[index // n])
+            choice = {"index": index, "text": echo_texts[index // n] if body.echo else "",
+                      "logprobs": prompt_part.get("logprobs"), "finish_reason": None, **_vllm_part(prompt_part)}
+            yield sse({**head, "choices": [choice], **tail})
         lp = None
         if k is not None:
             lp = completion_logprobs(ids, entries, k, cursor.text)
@@ -214,11 +255,16 @@ async def _chat_events(
         choice = {"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None}
         yield sse({**head, "choices": [choice], **tail})
+    scored = body.prompt_logprobs is not None
     async for item in _follow(request, body, streams, head, body.n, {}, bool(body.logprobs), latest):
         if isinstance(item, str):
             yield item
             continue
         tail = _running_usage(body, latest, tail)
+        if scored:  # vLLM's prompt_logprobs, once, in a chunk of their own before the first token's
+            scored = False
+            yield sse({**head, "choices": [], **_vllm_part(_prompt_fields(get_state(request), body, latest[0])),
+                       **tail})
         index, c, ids, entries, _ = item
         lp = chat_logprobs(ids, entries, k) if body.logprobs else None
         if chat.tool_format is None and chat.reasoning is None:
@@ -277,33 +323,6 @@ def sse(obj: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
-def _top(entry: dict[int, Logprob], k: int) -> list[Logprob]:
-    """The k most likely alternatives, best first."""
-    return sorted((lp for lp in entry.values() if 1 <= lp.rank <= k), key=lambda lp: lp.rank)
-
-
-def completion_logprobs(
-    token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]], k: int, offset: int
-) -> dict:
-    """/v1/completions logprobs: tokens, token_logprobs, top_logprobs (top k plus the chosen token), text_offset."""
-    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
-    for token, entry in zip(token_ids, entries):
-        chosen = entry[token]
-        text = chosen.decoded_token or ""
-        tokens.append(text)
-        token_logprobs.append(chosen.logprob)
-        top: dict[str, float] = {}
-        for lp in _top(entry, k):  # distinct tokens can decode alike (byte tokens): keep the likeliest
-            key = lp.decoded_token or ""
-            top[key] = max(top.get(key, lp.logprob), lp.logprob)
-        top[text] = chosen.logprob
-        top_logprobs.append(top)
-        text_offset.append(offset)
-        offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-            "text_offset": text_offset}
-
-
 def _token_entry(lp: Logprob) -> dict:
     text = lp.decoded_token or ""
     return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
@@ -314,7 +333,7 @@ def chat_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]
     content = []
     for token, entry in zip(token_ids, entries):
         item = _token_entry(entry[token])
-        item["top_logprobs"] = [_token_entry(lp) for lp in _top(entry, k)]
+        item["top_logprobs"] = [_token_entry(lp) for lp in top_alternatives(entry, k)]
         content.append(item)
     return {"content": content, "refusal": None}
 

@@ -89,6 +89,7 @@ class SamplingFields(Strict):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None  # vLLM's: the top k per prompt token, returned as `prompt_logprobs`
     # OpenAI fields accepted as metadata, or refused unless neutral (see check_common)
     user: str | None = None
     logit_bias: dict[str, float] | None = None
@@ -130,9 +131,11 @@ class SamplingFields(Strict):
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         values: dict[str, Any] = dict(
             n=self.n, max_tokens=max_tokens, seed=self.seed, stop=self.stop,
+            prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             structured_output=self.structured_output()[0],
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
@@ -195,10 +198,15 @@ class CompletionRequest(SamplingFields):
         self.check_common()
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix", "unsupported_parameter")
-        if self.echo and self.logprobs is not None:
-            raise bad_request("echo with logprobs is not supported (kvflow has no prompt logprobs)", "echo",
-                              "unsupported_parameter")
-        return self.sampling_params(self.max_tokens, self.logprobs)
+        return self.sampling_params(self.max_tokens, self.logprobs, self.prompt_logprobs_wanted)
+
+    @property
+    def prompt_logprobs_wanted(self) -> int | None:
+        """echo with logprobs scores the prompt too (what evaluation harnesses ask for); with vLLM's
+        prompt_logprobs as well, the larger k serves both."""
+        echoed = self.logprobs if self.echo and self.logprobs is not None else None
+        asked = [k for k in (echoed, self.prompt_logprobs) if k is not None]
+        return max(asked) if asked else None
 
 
 class TextPart(Lenient):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -24,6 +25,8 @@ from kvflow.sampling_params import SamplingParams
 from kvflow.server.errors import APIError, bad_request, from_value_error
 from kvflow.server.metrics import ServerMetrics
 from kvflow.structured.compiler import GrammarError
+
+log = logging.getLogger("kvflow")
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -42,12 +45,28 @@ class ServerSettings:
     root_path: str = ""  # --root-path: every route also served under this prefix
 
 
+def log_finished(out: RequestOutput) -> None:
+    """One INFO line per finished request, under its id (the client's X-Request-Id when it sent one)."""
+    if not log.isEnabledFor(logging.INFO):
+        return
+    m = out.metrics
+    how = out.error or ",".join(sorted({c.finish_reason or "unfinished" for c in out.outputs}))
+    log.info("request %s finished (%s): %d prompt tokens (%d cached), %d generated, queue %s, TTFT %s, TPOT %s",
+             out.request_id, how, m.num_prompt_tokens, m.num_cached_tokens, m.num_generated_tokens,
+             _ms(m.queue_time), _ms(m.ttft), _ms(m.tpot))
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.1f} ms"
+
+
 class ServerState:
     def __init__(self, engine: AsyncEngine, settings: ServerSettings) -> None:
         self.engine = engine
         self.settings = settings
         self.metrics = ServerMetrics(lambda: engine.stats)
         engine.finished_listeners.append(self.metrics.observe_finished)
+        engine.finished_listeners.append(log_finished)
         self.started = time.time()
 
     @property

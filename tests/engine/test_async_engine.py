@@ -177,3 +177,37 @@ def test_building_off_the_main_thread_leaves_no_openmp_pool_behind():
                                                        text=True, check=True).stdout.split())
     assert after == before
     assert with_pool > before  # the check can see a pool: one started on this thread stays
+
+
+def test_a_request_the_step_fails_on_fails_alone(engine, monkeypatch):
+    """Its stream raises RequestFailedError; the others in the same steps finish as usual."""
+    from kvflow.engine.async_engine import RequestFailedError
+
+    real = engine.engine._sampling_row
+    doomed = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, min_p=0.03)
+
+    def sampling_row(seq, mask_words=None):
+        if seq.request.sampling_params.min_p == doomed.min_p and seq.request.num_output_tokens == 3:
+            raise RuntimeError("injected failure")
+        return real(seq, mask_words)
+
+    monkeypatch.setattr(engine.engine, "_sampling_row", sampling_row)
+    good = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    async def one(params):
+        last = None
+        try:
+            async for out in engine.generate("hello world", params):
+                last = out
+        except RequestFailedError as exc:
+            return str(exc)
+        return last.outputs[0].token_ids
+
+    async def run():
+        return await asyncio.gather(one(good), one(doomed), one(good))
+
+    first, failed, third = asyncio.run(run())
+    assert len(first) == 12 and first == third
+    assert "injected failure" in failed
+    assert engine.num_engine_errors == 0
+    wait_idle(engine)

@@ -1,6 +1,7 @@
 """The rest of the API that OpenAI, vLLM and llama.cpp clients call (issue 24): logit_bias, tokenize and
 detokenize, /version, models.retrieve, usage in every chunk, X-Request-Id, JSON-only bodies (415), a seed
-that does not fit 64 bits (a 400 for that request alone), --root-path and --uds."""
+that does not fit 64 bits (a 400 for that request alone), --root-path, --uds, and a log line per request
+under its id."""
 
 from __future__ import annotations
 
@@ -123,12 +124,20 @@ def test_a_seed_that_does_not_fit_fails_only_its_request(agent_server):
     assert answers[1].json()["error"]["param"] == "seed" and "64-bit" in answers[1].json()["error"]["message"]
 
 
-def test_root_path(tiny_model_dir):
-    server = ServerProcess("--model", str(tiny_model_dir), "--kv-cache-memory", "32MiB", "--root-path", "/kv")
+def test_root_path_and_request_log_lines(tiny_model_dir):
+    server = ServerProcess("--model", str(tiny_model_dir), "--kv-cache-memory", "32MiB", "--root-path", "/kv",
+                           "--log-level", "info")
     try:
         url = server.base_url
         assert httpx.get(f"{url}/kv/v1/models").status_code == 200
-        assert httpx.post(f"{url}/kv/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
+        r = httpx.post(f"{url}/kv/v1/completions", json={"prompt": "hi", "max_tokens": 1},
+                       headers={"X-Request-Id": "trace-77"})
+        assert r.status_code == 200 and r.headers["x-request-id"] == "trace-77"
+        deadline = time.monotonic() + 10
+        while "request trace-77 finished (length): " not in server.output() and time.monotonic() < deadline:
+            time.sleep(0.1)  # the line is written as the engine thread hands the output over
+        line = next(x for x in server.output().splitlines() if "request trace-77 finished" in x)
+        assert "1 generated" in line and "TTFT" in line
         assert httpx.get(f"{url}/kv/health").status_code == 200 and httpx.get(f"{url}/v1/models").status_code == 200
         r = httpx.post(f"{url}/kv/api/generate", json={"model": "x", "prompt": "hi"})  # an Ollama route's error shape
         assert r.status_code == 404 and isinstance(r.json()["error"], str)
