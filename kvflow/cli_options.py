@@ -50,6 +50,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     g.add_argument("--seed", type=int, default=m.seed)
     g.add_argument("--trace", default=None, metavar="FILE", help="append a JSON line per engine step")
+    g.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 16}\' (default: off)')
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -60,4 +62,15 @@ def engine_options(args: argparse.Namespace) -> dict:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         enable_prefix_caching=not args.no_prefix_caching, enable_chunked_prefill=not args.no_chunked_prefill,
         quantization=args.quantization, compile=args.compile, threads=args.threads, seed=args.seed, trace_file=args.trace,
+        speculative_config=args.speculative_config,
     )
+
+
+def _speculative_config(text: str):
+    """Checked as the command line is read, so a bad value fails before the model loads."""
+    from kvflow.spec.config import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.parse(text)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -54,6 +54,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     trace_file: str | None = None
+    speculative_config: object = None  # vLLM's dict, its JSON, or a kvflow.spec.config.SpeculativeConfig; None: off
 
 
 def engine_config(**options) -> EngineConfig:
@@ -61,8 +62,8 @@ def engine_config(**options) -> EngineConfig:
     config = EngineConfig()
     sections = (config.model, config.cache, config.scheduler)
     for name, value in options.items():
-        if name == "trace_file":
-            config.trace_file = value
+        if name in ("trace_file", "speculative_config"):
+            setattr(config, name, value)
             continue
         owners = [s for s in sections if hasattr(s, name)]
         if not owners:

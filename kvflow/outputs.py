@@ -42,6 +42,8 @@ class RequestMetrics:
     num_cached_tokens: int = 0
     num_generated_tokens: int = 0
     num_preemptions: int = 0
+    num_draft_tokens: int = 0  # speculative decoding: guessed tokens verified
+    num_accepted_tokens: int = 0  # of those, the ones kept
     queue_time: float | None = None  # arrival to first scheduled
     ttft: float | None = None  # arrival to first token
     prefill_time: float | None = None  # first scheduled to first token

@@ -20,10 +20,12 @@ from kvflow.engine.request import Request, RequestGroup, RequestStatus, Sequence
 from kvflow.engine.runner import ModelRunner
 from kvflow.engine.scheduler import Scheduler
 from kvflow.engine.scheduler_output import ScheduledSequence, SchedulerOutput
+from kvflow.engine.speculation import Speculator, kept_tokens
 from kvflow.executors.model_setup import LoadedModel, load_model, set_threads
-from kvflow.layers.sampler import Sampler, SamplingRow, make_generator
+from kvflow.layers.sampler import Sampler, SamplingRow, is_greedy, make_generator
 from kvflow.outputs import Logprob, RequestOutput
 from kvflow.sampling_params import SamplingParams
+from kvflow.spec.config import SpeculativeConfig
 from kvflow.structured.compiler import GrammarCompiler
 from kvflow.structured.mask_prefetch import MaskPrefetcher, has_idle_core
 from kvflow.structured.sequence_grammar import SequenceGrammar
@@ -57,6 +59,8 @@ class LLMEngine:
         self._prefetcher: MaskPrefetcher | None = None
         # Token masks overlap the forward only with a core to spare (structured/mask_prefetch.py).
         self.mask_prefetch = has_idle_core()
+        spec = SpeculativeConfig.parse(config.speculative_config)
+        self.speculator = Speculator(spec) if spec is not None else None
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -174,6 +178,8 @@ class LLMEngine:
     # ---- one step --------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, self._may_speculate)
         sched = self.scheduler.schedule()
         masks = self._prefetch_masks(sched)
         step = self.runner.execute(sched)
@@ -189,6 +195,8 @@ class LLMEngine:
             except Exception as exc:  # noqa: BLE001 - one request's failure must not end the others'
                 self._fail_group(self.sequences.get(request.request_id), exc, touched)
         self.num_steps += 1
+        if self.speculator is not None:
+            self._learn_from_step(sched, sampled, time.perf_counter() - t0)
         if self._trace is not None:
             self._write_trace(sched, time.perf_counter() - t0)
         outputs = []
@@ -223,25 +231,30 @@ class LLMEngine:
         prefetched: token masks computed during the forward, by request id (_prefetch_masks)."""
         rows: list[SamplingRow] = []
         row_logits: list[int] = []
-        owners: list[SequenceState] = []
-        for i, rid in enumerate(sample_ids):
+        runs: list[tuple[SequenceState, int, int]] = []  # (sequence, its first row, its number of rows)
+        i = 0
+        while i < len(sample_ids):
+            rid, first = sample_ids[i], i
+            while i < len(sample_ids) and sample_ids[i] == rid:
+                i += 1  # a verify step's sequence owns a run of rows: its last known position, then each draft
             seq = self.sequences.get(rid)
             if seq is None:
                 continue
             group = self._group_of(seq)
             touched.add(group.request_id)
             try:
+                drafts = seq.request.draft_token_ids[: i - first - 1]
                 targets = [seq] + self._fork_children(sched, group, seq)
                 # max_tokens 0 asks for the prompt alone (its logprobs, its KV): nothing is sampled.
-                built = [(self._sampling_row(t, prefetched.get(t.request.request_id)), t) for t in targets
-                         if t.request.max_tokens != 0]
+                built = [(t, [self._sampling_row(t, prefetched.get(t.request.request_id), drafts[:r])
+                              for r in range(len(drafts) + 1)]) for t in targets if t.request.max_tokens != 0]
             except Exception as exc:  # noqa: BLE001 - one request's failure must not end the others'
                 self._fail_group(seq, exc, touched)
                 continue
-            for row, target in built:
-                rows.append(row)
-                row_logits.append(i)
-                owners.append(target)
+            for target, target_rows in built:
+                runs.append((target, len(rows), len(target_rows)))
+                rows.extend(target_rows)
+                row_logits.extend(range(first, first + len(target_rows)))
         if not rows:
             return {}
         if row_logits == list(range(logits.shape[0])):  # one row per logit row, in order: no copy needed
@@ -249,17 +262,39 @@ class LLMEngine:
         else:
             result = self.sampler(logits.index_select(0, torch.tensor(row_logits, device=logits.device)), rows)
         sampled = {}
-        for j, seq in enumerate(owners):
+        for seq, j, count in runs:
+            tokens = result.token_ids[j:j + count]
+            if count > 1:
+                tokens = kept_tokens(tokens, seq.request.draft_token_ids)
             try:
-                if seq.logprobs is not None:
-                    self._record_logprobs(seq, result.token_ids[j], result.logprobs[j], result.top_logprobs[j])
-                if seq.grammar is not None and result.token_ids[j] not in rows[j].end_token_ids:
-                    seq.grammar.accept(result.token_ids[j], seq.request.request_id)
+                for r, token in enumerate(tokens):
+                    if seq.logprobs is not None:
+                        self._record_logprobs(seq, token, result.logprobs[j + r], result.top_logprobs[j + r])
+                    if seq.grammar is not None and token not in rows[j + r].end_token_ids:
+                        seq.grammar.accept(token, seq.request.request_id)
             except Exception as exc:  # noqa: BLE001 - one request's failure must not end the others'
                 self._fail_group(seq, exc, touched)
                 continue
-            sampled[seq.request.request_id] = [result.token_ids[j]]
+            sampled[seq.request.request_id] = tokens
         return sampled
+
+    def _may_speculate(self, request: Request) -> bool:
+        """Whether a request's drafts can be checked exactly: greedy, and no grammar to advance per draft."""
+        seq = self.sequences.get(request.request_id)
+        return seq is not None and seq.grammar is None and is_greedy(request.sampling_params)
+
+    def _learn_from_step(self, sched: SchedulerOutput, sampled: dict[str, list[int]], seconds: float) -> None:
+        """Acceptance per speculating sequence; and, for a step of decodes only, what it cost."""
+        decode_only = True
+        draft_rows = 0
+        for s in sched.scheduled:
+            n = len(s.draft_token_ids)
+            draft_rows += n
+            decode_only &= s.num_tokens == 1 + n and s.start >= s.request.num_prompt_tokens
+            if s.sample and self._may_speculate(s.request):
+                self.speculator.settle(s.request_id, n, max(len(sampled.get(s.request_id, [])) - 1, 0))
+        if decode_only and sched.scheduled:
+            self.speculator.observe_step(len(sched.scheduled), draft_rows, seconds)
 
     def _fail_group(self, seq: SequenceState | None, exc: Exception, touched: set[str]) -> None:
         """The engine failed on one request: it alone ends, with the error in its output; the others go on."""
@@ -330,15 +365,18 @@ class LLMEngine:
         group.children_to_fork = 0
         return children
 
-    def _sampling_row(self, seq: SequenceState, mask_words=None) -> SamplingRow:
+    def _sampling_row(self, seq: SequenceState, mask_words=None, drafted: list[int] | None = None) -> SamplingRow:
+        """drafted: in a verify step, the draft tokens this row's position comes after (they count as
+        output for penalties and min_tokens, as they will if kept)."""
         req = seq.request
         params = req.sampling_params
         grammar = seq.grammar
-        below_min = req.num_output_tokens < params.min_tokens
+        output = req.output_token_ids + drafted if drafted else req.output_token_ids
+        below_min = len(output) < params.min_tokens
         ends = self._end_tokens(params) if below_min or grammar is not None else []
         suppress = ends if below_min else []
         if grammar is None:
-            return SamplingRow(params, req.prompt_token_ids, req.output_token_ids, seq.generator, suppress)
+            return SamplingRow(params, req.prompt_token_ids, output, seq.generator, suppress)
         wrap_up = grammar.wrapping_up(req.num_output_tokens, req.max_tokens)
         return SamplingRow(params, req.prompt_token_ids, req.output_token_ids, seq.generator, suppress,
                            grammar.matcher, ends, self.grammars.closing_tokens if wrap_up else None,
@@ -361,10 +399,14 @@ class LLMEngine:
         seq = self.sequences.get(request.request_id)
         if seq is None:
             return
-        new_ids = request.output_token_ids[seq.num_processed :]
+        processed = seq.num_processed
+        new_ids = request.output_token_ids[processed:]
+        if len(new_ids) > 1:
+            result = self._detokenize_each(seq, new_ids)  # kept drafts: a stop string may end it among them
+        else:
+            result = seq.detokenizer.add(new_ids)
         seq.num_processed = request.num_output_tokens
-        seq.delta_token_ids += new_ids
-        result = seq.detokenizer.add(new_ids)
+        seq.delta_token_ids += request.output_token_ids[processed:]
         seq.delta_text += result.text_delta
         if result.finished and not request.is_finished:
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, result.stop_string)
@@ -375,6 +417,25 @@ class LLMEngine:
                 seq.delta_text += seq.detokenizer.flush()
             seq.finish_reason = request.status.finish_reason
 
+    def _detokenize_each(self, seq: SequenceState, new_ids: list[int]):
+        """Several new tokens, one at a time: where a stop string ends the text, the tokens after it are
+        dropped, so the output is what one token a step would have made."""
+        text = ""
+        for n, token in enumerate(new_ids, start=1):
+            result = seq.detokenizer.add([token])
+            text += result.text_delta
+            if result.finished:
+                drop = len(new_ids) - n
+                if drop:
+                    request = seq.request
+                    del request.output_token_ids[-drop:], request.all_token_ids[-drop:]
+                    del request.timings.token_times[-drop:]
+                    if seq.logprobs is not None:
+                        del seq.logprobs[-drop:]
+                break
+        result.text_delta = text
+        return result
+
     def _group_of(self, seq: SequenceState) -> RequestGroup:
         return self.groups[seq.group_id]
 
@@ -382,6 +443,8 @@ class LLMEngine:
         self.groups.pop(group.request_id, None)
         for seq in group.sequences:
             self.sequences.pop(seq.request.request_id, None)
+            if self.speculator is not None:
+                self.speculator.forget(seq.request.request_id)
 
     def _write_trace(self, sched: SchedulerOutput, seconds: float) -> None:
         decode = sum(1 for s in sched.scheduled if s.num_tokens == 1 and s.start >= s.request.num_prompt_tokens)

@@ -49,6 +49,10 @@ class KVCacheGroups:
         for g in self.groups:
             g.reset_prefix_cache()
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        for g in self.groups:
+            g.trim(request, num_tokens)
+
     def cache_full_blocks(self, request: Request) -> None:
         for g in self.groups:
             g.cache_full_blocks(request)

@@ -256,6 +256,20 @@ class KVCacheManager:
         blocks[done:first] = [self.null_block] * (first - done)
         self._num_dropped[rid] = first
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Give back the blocks past the first num_tokens tokens' (speculative decoding: blocks that held
+        only rejected draft tokens). They were never registered in the prefix cache."""
+        blocks = self.req_blocks.get(request.request_id)
+        if not blocks:
+            return
+        keep = self.blocks_needed(num_tokens)
+        if len(blocks) <= keep:
+            return
+        extra = blocks[keep:]
+        del blocks[keep:]
+        self._num_cached_blocks[request.request_id] = min(self._num_cached_blocks.get(request.request_id, 0), keep)
+        self.pool.free_blocks(b for b in reversed(extra) if b is not self.null_block)
+
     def free(self, request: Request) -> None:
         """Release all the request's blocks, tail first so its tail is evicted before its prefix."""
         blocks = self.req_blocks.pop(request.request_id, [])

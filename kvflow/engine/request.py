@@ -100,6 +100,10 @@ class Request:
         # Prompt logprobs: the first prompt position whose logits are still wanted (None: none wanted).
         # While set, the scheduler computes the prompt in full and the runner returns those rows' logits.
         self.prompt_logits_from: int | None = None
+        # Speculative decoding: tokens guessed to follow, verified in the next decode step (engine/speculation.py).
+        self.draft_token_ids: list[int] = []
+        self.num_draft_tokens = 0  # guessed tokens verified so far
+        self.num_accepted_tokens = 0  # of those, the ones kept
 
     @property
     def num_tokens(self) -> int:
@@ -197,6 +201,8 @@ class RequestGroup:
             num_cached_tokens=max(first.num_cached_tokens, 0),
             num_generated_tokens=sum(s.request.num_output_tokens for s in self.sequences),
             num_preemptions=sum(s.request.num_preemptions for s in self.sequences),
+            num_draft_tokens=sum(s.request.num_draft_tokens for s in self.sequences),
+            num_accepted_tokens=sum(s.request.num_accepted_tokens for s in self.sequences),
             queue_time=None if scheduled is None else scheduled - t.arrival_time,
             ttft=None if first_token is None else first_token - t.arrival_time,
             prefill_time=None if first_token is None or scheduled is None else first_token - scheduled,

@@ -35,7 +35,7 @@ class StepInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # rows of the flat batch whose logits are returned: sampled ones first
-    sample_request_ids: list[str]
+    sample_request_ids: list[str]  # per sampled row (a verify step's sequence has several, in a run)
     prompt_spans: list[PromptSpan]  # then the prompt rows whose logits are wanted, in this order
 
 
@@ -123,13 +123,15 @@ class ModelRunner:
                 if end > first:
                     prompt_rows.extend(range(len(tokens) + first - start, len(tokens) + end - start))
                     spans.append(PromptSpan(req.request_id, first, end - first))
-            tokens.extend(req.all_token_ids[start : start + n])
+            tokens.extend(seq.token_ids if seq.draft_token_ids else req.all_token_ids[start : start + n])
             positions.append(np.arange(start, start + n))
             query_lens.append(n)
             seq_lens.append(start + n)
             if seq.sample:
-                logits_indices.append(len(tokens) - 1)
-                sample_ids.append(req.request_id)
+                # A verify step samples its last known position and every draft's: one row each, in order.
+                rows = 1 + len(seq.draft_token_ids)
+                logits_indices.extend(range(len(tokens) - rows, len(tokens)))
+                sample_ids.extend([req.request_id] * rows)
         logits_indices += prompt_rows
         starts = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
         dev = self.device

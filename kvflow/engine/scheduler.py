@@ -208,12 +208,32 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
+            drafts = self._drafts_that_fit(request, num_new, budget)
+            if drafts:
+                self._add_scheduled(out, request, 1 + len(drafts), drafts)
+                budget -= 1 + len(drafts)
+                i += 1
+                continue
             if not self._allocate_or_preempt(out, request, num_new):
                 break  # it was itself the last running request, and is now preempted
             self._add_scheduled(out, request, num_new)
             budget -= num_new
             i += 1
         return budget
+
+    def _drafts_that_fit(self, request: Request, num_new: int, budget: int) -> tuple[int, ...]:
+        """The request's draft tokens to verify this step, already given their KV slots: as many as the
+        budget, the context, max_tokens and the free blocks allow (none never preempts anyone)."""
+        drafts = request.draft_token_ids
+        if not drafts or num_new != 1 or request.num_computed_tokens != request.num_tokens - 1:
+            return ()
+        room = min(budget - 1, self.config.max_model_len - request.num_tokens - 1)
+        if request.max_tokens is not None:
+            room = min(room, request.max_tokens - request.num_output_tokens - 1)
+        drafts = tuple(drafts[: max(room, 0)])
+        if drafts and not self.kv_cache_manager.allocate_slots(request, 1 + len(drafts)):
+            return ()
+        return drafts
 
     def _allocate_or_preempt(self, out: SchedulerOutput, request: Request, num_new: int) -> bool:
         """Find blocks for a running request, preempting from the back of the running list until they
@@ -255,7 +275,8 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+    def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int,
+                       drafts: tuple[int, ...] = ()) -> None:
         start = request.num_computed_tokens
         request.num_computed_tokens += num_new
         primary, *others = self.kv_cache_manager.group_block_ids(request.request_id)
@@ -265,8 +286,9 @@ class Scheduler:
                 start=start,
                 num_tokens=num_new,
                 block_ids=primary,
-                sample=request.num_computed_tokens == request.num_tokens,
+                sample=request.num_computed_tokens == request.num_tokens + len(drafts),
                 other_block_ids=tuple(others),
+                draft_token_ids=drafts,
             )
         )
 
@@ -290,21 +312,41 @@ class Scheduler:
             request = seq.request
             if request.status != RequestStatus.RUNNING:  # aborted or finished since schedule()
                 continue
-            self.kv_cache_manager.cache_full_blocks(request)
+            if seq.draft_token_ids:
+                self._settle_drafts(seq, sampled.get(request.request_id) or [])
             if seq.sample and request.max_tokens == 0:  # the prompt alone was asked for: it is done
+                self.kv_cache_manager.cache_full_blocks(request)
                 self.running.remove(request)
                 self._finish(request, RequestStatus.FINISHED_LENGTH)
                 updated.append(request)
                 continue
-            new_ids = sampled.get(request.request_id) if seq.sample else None
-            if not new_ids:
-                continue
+            new_ids = (sampled.get(request.request_id) or []) if seq.sample else []
+            status = None
             for token in new_ids:
                 request.append_output_token_ids([token])
                 status = check_stop(request, self.config.max_model_len)
                 if status is not None:
-                    self.running.remove(request)
-                    self._finish(request, status)
                     break
-            updated.append(request)
+            # A stop among kept drafts: what follows it was computed but is not the request's.
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+            # Blocks are registered once their tokens are known (kept drafts become tokens just above).
+            self.kv_cache_manager.cache_full_blocks(request)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+            if new_ids:
+                updated.append(request)
         return updated
+
+    def _settle_drafts(self, seq: ScheduledSequence, new_ids: list[int]) -> None:
+        """After a verify step: of the drafts, the first len(new_ids) - 1 were right (new_ids holds them and
+        the model's own next token). The KV of the rejected ones is rolled back (computed tokens end with
+        the last kept draft), before any block is registered in the prefix cache, and blocks holding only
+        rejected positions go back to the pool."""
+        request = seq.request
+        kept = max(len(new_ids) - 1, 0)
+        request.num_computed_tokens -= len(seq.draft_token_ids) - kept
+        request.num_draft_tokens += len(seq.draft_token_ids)
+        request.num_accepted_tokens += kept
+        request.draft_token_ids = []
+        self.kv_cache_manager.trim(request, request.num_computed_tokens + 1)

@@ -15,6 +15,9 @@ class ScheduledSequence:
     block_ids: list[int]  # the request's whole block table after allocation (the primary KV group's)
     sample: bool  # this chunk reaches the end of the known tokens, so the last one's logits are needed
     other_block_ids: tuple[list[int], ...] = ()  # the block tables of KV groups 1.. (engine/kv_cache_groups)
+    # Speculative decoding: guessed tokens computed after the known ones (counted in num_tokens); each of
+    # the last len(draft_token_ids) + 1 positions is then sampled, to check the guess after it.
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def request_id(self) -> str:
@@ -22,7 +25,8 @@ class ScheduledSequence:
 
     @property
     def token_ids(self) -> list[int]:
-        return self.request.all_token_ids[self.start : self.start + self.num_tokens]
+        known = self.num_tokens - len(self.draft_token_ids)
+        return self.request.all_token_ids[self.start : self.start + known] + list(self.draft_token_ids)
 
     @property
     def positions(self) -> range:

@@ -76,6 +76,10 @@ class ServerMetrics:
         self.cached_tokens = Counter("kvflow:prompt_tokens_cached", "Prompt tokens served from the prefix "
                                      "cache.", registry=r)
         self.generation_tokens = Counter("kvflow:generation_tokens", "Generated tokens.", registry=r)
+        self.draft_tokens = Counter("kvflow:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens "
+                                    "verified.", registry=r)
+        self.accepted_tokens = Counter("kvflow:spec_decode_num_accepted_tokens", "Speculative decoding: draft "
+                                       "tokens kept.", registry=r)
         self.success = Counter("kvflow:request_success", "Finished requests by finish reason.",
                                ["finished_reason"], registry=r)
         self.errors = Counter("kvflow:request_errors", "Requests refused or failed, by kind.", ["kind"],
@@ -96,6 +100,8 @@ class ServerMetrics:
         self.prompt_tokens.inc(m.num_prompt_tokens)
         self.cached_tokens.inc(m.num_cached_tokens)
         self.generation_tokens.inc(m.num_generated_tokens)
+        self.draft_tokens.inc(m.num_draft_tokens)
+        self.accepted_tokens.inc(m.num_accepted_tokens)
         for completion in out.outputs:
             self.success.labels(finished_reason=completion.finish_reason or "abort").inc()
 

@@ -292,7 +292,8 @@ _PHASES = (("queue_ms", "queue_time"), ("ttft_ms", "ttft"), ("prefill_ms", "pref
 
 
 def request_timings(outputs: Sequence[RequestOutput]) -> dict:
-    """Where a response's time went: queue, TTFT, prefill, decode (ms) and cached prompt tokens. Reported
+    """Where a response's time went: queue, TTFT, prefill, decode (ms), cached prompt tokens and speculated
+    tokens. Reported
     as usage.kvflow_timings (OpenAI), kvflow_timings (Ollama) and x-kvflow-* headers; a request with
     several prompts reports the slowest prompt's times and the sum of their cached tokens."""
     timings: dict = {}
@@ -301,6 +302,9 @@ def request_timings(outputs: Sequence[RequestOutput]) -> dict:
         known = [v for v in values if v is not None]
         timings[key] = round(max(known) * 1000, 3) if known else None
     timings["cached_tokens"] = sum(o.metrics.num_cached_tokens for o in outputs)
+    # Speculative decoding: guessed tokens verified, and those kept (their ratio is the acceptance rate).
+    timings["spec_draft_tokens"] = sum(o.metrics.num_draft_tokens for o in outputs)
+    timings["spec_accepted_tokens"] = sum(o.metrics.num_accepted_tokens for o in outputs)
     return timings
 
 

@@ -1,0 +1,75 @@
+"""The engine's side of speculative decoding: before each step, give the decoding sequences that may
+speculate their draft tokens (as many as pay, kvflow/spec/control.py); after it, learn from what was kept
+and from what the step cost. The scheduler gives drafts KV slots and rolls back the rejected ones; the
+runner samples every draft position; the engine keeps the longest run the model agrees with.
+
+Only greedy sequences without an output grammar speculate for now: for them, keeping a draft token exactly
+when it equals the model's own choice at its position makes the output identical to decoding without
+speculation. Sampled sequences decode as usual.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import numpy as np
+
+from kvflow.engine.request import Request
+from kvflow.spec.config import SpeculativeConfig
+from kvflow.spec.control import Acceptance, StepCosts, best_num_drafts
+from kvflow.spec.ngram import NgramProposer
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.acceptance: dict[str, Acceptance] = {}
+        self.costs = StepCosts()
+        self.num_draft_tokens = 0  # verified since start, over every request (metrics)
+        self.num_accepted_tokens = 0
+
+    def propose(self, running: Iterable[Request], eligible: Callable[[Request], bool]) -> None:
+        """Set draft_token_ids on every running request (empty where it should not speculate)."""
+        decoding = [r for r in running if r.num_computed_tokens == r.num_tokens - 1]
+        for request in running:
+            request.draft_token_ids = []
+        if not decoding:
+            return
+        row_fraction = self.costs.row_fraction(len(decoding))
+        for request in decoding:
+            if not eligible(request):
+                continue
+            acceptance = self.acceptance.setdefault(request.request_id, Acceptance())
+            k = best_num_drafts(acceptance.rate, row_fraction, len(decoding) - 1, self.config.num_speculative_tokens)
+            if k:
+                request.draft_token_ids = self.proposer.propose(np.asarray(request.all_token_ids, dtype=np.int64), k)
+
+    def settle(self, request_id: str, num_draft: int, num_kept: int) -> None:
+        acceptance = self.acceptance.get(request_id)
+        if acceptance is None:
+            return
+        if num_draft:
+            acceptance.update(num_draft, num_kept)
+            self.num_draft_tokens += num_draft
+            self.num_accepted_tokens += num_kept
+        else:
+            acceptance.idle()
+
+    def observe_step(self, batch: int, draft_rows: int, seconds: float) -> None:
+        """A decode-only step's time: batch sequences, draft_rows rows beyond one per sequence."""
+        self.costs.observe(batch, draft_rows, seconds)
+
+    def forget(self, request_id: str) -> None:
+        self.acceptance.pop(request_id, None)
+
+
+def kept_tokens(model_tokens: list[int], drafts: list[int]) -> list[int]:
+    """model_tokens[r] is the model's choice after the known tokens and drafts[:r]. The model's first
+    choice is always kept; each next one while the draft before it equals what the model chose there."""
+    kept = model_tokens[:1]
+    for r in range(1, len(model_tokens)):
+        if model_tokens[r - 1] != drafts[r - 1]:
+            break
+        kept.append(model_tokens[r])
+    return kept

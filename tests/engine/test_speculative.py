@@ -1,0 +1,184 @@
+"""Speculative decoding (issue 20): verified drafts never change a greedy output, whatever they propose;
+rejected drafts leave the block pool whole and never reach the prefix cache; on the default model a copy
+task keeps most drafts; the adaptive control and the config."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from engine_helpers import PROMPTS, make_llm
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvflow import SamplingParams
+from kvflow.config import ModelConfig
+from kvflow.engine.speculation import kept_tokens
+from kvflow.executors.model_setup import load_model
+from kvflow.spec.config import SpeculativeConfig
+from kvflow.spec.control import Acceptance, StepCosts, best_num_drafts
+from kvflow.spec.ngram import NgramProposer
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 6}
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoints):
+    return load_model(ModelConfig(model=str(tiny_checkpoints["llama"]), device="cpu", mode="exact",
+                                  quantization="int4"))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny) -> dict[str, list[int]]:
+    llm = make_llm(tiny, kv_cache_memory=16 << 20, enable_prefix_caching=False)
+    return {p: o.outputs[0].token_ids for p, o in zip(PROMPTS[:6], llm.generate(PROMPTS[:6], GREEDY))}
+
+
+def assert_pool_whole_and_cache_true(llm, reference: dict[str, list[int]]) -> None:
+    """Every block is free again, and every block in the prefix cache holds a block of a real sequence
+    (prompt + greedy answer), never a rejected draft."""
+    manager = llm.engine.scheduler.kv_cache_manager
+    assert manager.num_free_blocks == manager.num_blocks
+    tok, bs = llm.get_tokenizer(), manager.block_size
+    real = set()
+    for prompt, answer in reference.items():
+        ids = tok(prompt).input_ids + answer
+        real.update(tuple(ids[i:i + bs]) for i in range(0, len(ids) - bs + 1, bs))
+    cached = [b.token_ids for b in manager.pool.blocks if b.token_ids is not None]
+    assert cached and all(t in real for t in cached)
+
+
+class OracleProposer:
+    """Drafts from the known greedy answer, corrupted where `pattern` says: a random accept/reject mix."""
+
+    def __init__(self, answers: dict[tuple, list[int]], pattern: list[bool], vocab: int, seed: int) -> None:
+        self.answers, self.pattern, self.vocab = answers, pattern, vocab
+        self.rng = random.Random(seed)
+        self.calls = 0
+
+    def propose(self, tokens: np.ndarray, k: int) -> list[int]:
+        seq = tokens.tolist()
+        for prompt, answer in self.answers.items():
+            if tuple(seq[: len(prompt)]) == prompt and seq[len(prompt):] == answer[: len(seq) - len(prompt)]:
+                done = len(seq) - len(prompt)
+                draft = list(answer[done: done + k]) or [self.rng.randrange(self.vocab)]
+                for i in range(len(draft)):
+                    if not self.pattern[(self.calls + i) % len(self.pattern)]:
+                        draft[i] = (draft[i] + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
+                self.calls += 1
+                return draft
+        return []
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pattern=st.lists(st.booleans(), min_size=1, max_size=12), seed=st.integers(0, 1000),
+       chunk=st.sampled_from([16, 64, 2048]), blocks=st.sampled_from([None, 14]))
+def test_random_accept_reject_patterns_change_nothing(tiny, reference, pattern, seed, chunk, blocks):
+    llm = make_llm(tiny, kv_cache_memory=16 << 20, speculative_config=NGRAM, max_num_batched_tokens=chunk,
+                   num_blocks=blocks, block_size=8)
+    tok = llm.get_tokenizer()
+    answers = {tuple(tok(p).input_ids): reference[p] for p in PROMPTS[:6]}
+    oracle = OracleProposer(answers, pattern, tiny.arch.vocab_size, seed)
+    spec = llm.engine.speculator
+    spec.proposer = oracle
+    spec.acceptance.clear()
+    outs = llm.generate(PROMPTS[:6], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == [reference[p] for p in PROMPTS[:6]]
+    assert oracle.calls > 0
+    assert_pool_whole_and_cache_true(llm, reference)
+
+
+def test_garbage_drafts_change_nothing_but_speed(tiny, reference):
+    llm = make_llm(tiny, kv_cache_memory=16 << 20, speculative_config=NGRAM)
+    rng = random.Random(7)
+    llm.engine.speculator.proposer.propose = lambda tokens, k: [rng.randrange(tiny.arch.vocab_size) for _ in range(k)]
+    for acceptance_floor in range(2):  # run twice: the second time every prompt is in the prefix cache
+        outs = llm.generate(PROMPTS[:6], GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == [reference[p] for p in PROMPTS[:6]], acceptance_floor
+    spec = llm.engine.speculator
+    assert spec.num_draft_tokens > 0
+    assert_pool_whole_and_cache_true(llm, reference)
+
+
+def test_stop_strings_logprobs_and_penalties_see_the_verified_tokens(tiny):
+    """Speculating or not, a stop string cuts at the same token, logprobs come per token, and a repetition
+    penalty counts the kept drafts as output."""
+    plain = make_llm(tiny, kv_cache_memory=16 << 20)
+    spec = make_llm(tiny, kv_cache_memory=16 << 20,
+                    speculative_config={**NGRAM, "prompt_lookup_min": 1, "prompt_lookup_max": 2})
+    full = plain.generate(PROMPTS[4], GREEDY)[0].outputs[0]
+    stop = full.text[len(full.text) // 2: len(full.text) // 2 + 3]
+    cases = [SamplingParams(temperature=0, max_tokens=40, stop=[stop]) if stop.strip() else GREEDY,
+             SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2),
+             SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=1.3),
+             SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, min_tokens=20)]
+    for params in cases:
+        a, b = plain.generate(PROMPTS[4], params)[0].outputs[0], spec.generate(PROMPTS[4], params)[0].outputs[0]
+        assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason), params
+        if params.logprobs:
+            assert [e[t].logprob for t, e in zip(a.token_ids, a.logprobs)] == pytest.approx(
+                [e[t].logprob for t, e in zip(b.token_ids, b.logprobs)], abs=1e-5)
+    assert spec.engine.speculator.num_accepted_tokens > 0
+
+
+def test_copying_on_the_default_model_keeps_most_drafts(default_loaded):
+    """The default model asked to repeat a file: identical output, most drafts kept, fewer steps."""
+    code = "\n".join(f"def area_{i}(width, height):\n    return width * height + {i}\n" for i in range(12))
+    prompt = (f"<|im_start|>user\nRepeat this file exactly:\n```python\n{code}```<|im_end|>\n"
+              "<|im_start|>assistant\n```python\n")
+    params = SamplingParams(temperature=0, max_tokens=96)
+    plain = make_llm(default_loaded)
+    spec = make_llm(default_loaded, speculative_config={"method": "ngram"})
+    expected = plain.generate(prompt, params)[0].outputs[0].token_ids
+    steps = spec.engine.num_steps
+    got = spec.generate(prompt, params)[0]
+    assert got.outputs[0].token_ids == expected
+    s = spec.engine.speculator
+    assert s.num_accepted_tokens > 0.6 * s.num_draft_tokens > 0
+    assert spec.engine.num_steps - steps < len(expected) / 2
+    assert got.metrics.num_accepted_tokens == s.num_accepted_tokens
+
+
+def test_kept_tokens_is_the_longest_agreeing_run():
+    assert kept_tokens([5], []) == [5]
+    assert kept_tokens([1, 2, 3, 4], [1, 2, 3]) == [1, 2, 3, 4]  # all kept, plus the model's next
+    assert kept_tokens([1, 9, 3, 4], [1, 2, 3]) == [1, 9]  # the second draft was wrong: the model's 9 instead
+    assert kept_tokens([7, 2, 3, 4], [1, 2, 3]) == [7]
+
+
+def test_ngram_proposer_takes_the_longest_latest_match():
+    proposer = NgramProposer(1, 3)
+    tokens = np.array([1, 2, 3, 4, 9, 2, 3, 5, 6, 1, 2, 3], dtype=np.int64)
+    assert proposer.propose(tokens, 2) == [4, 9]  # "1 2 3" matched at the start beats the later "2 3"
+    assert proposer.propose(np.array([1, 2, 3], dtype=np.int64), 4) == []
+    assert NgramProposer(2, 2).propose(np.array([5, 6, 7, 5, 6], dtype=np.int64), 3) == [7, 5, 6]
+
+
+def test_the_control_backs_off_when_rows_cost_more_than_they_earn():
+    assert best_num_drafts(0.99, 0.02, 0, 16) == 16  # cheap rows, good drafts: the most
+    assert 0 < best_num_drafts(0.9, 0.2, 0, 16) < 16
+    assert best_num_drafts(0.1, 0.2, 0, 16) == 0  # bad drafts
+    assert best_num_drafts(0.9, 0.2, 15, 16) == 0  # a batch of 16: a row costs what the others make
+    acceptance = Acceptance()
+    for _ in range(30):
+        acceptance.update(4, 0)
+    assert best_num_drafts(acceptance.rate, 0.15, 0, 16) == 0
+    for _ in range(200):
+        acceptance.idle()
+    assert best_num_drafts(acceptance.rate, 0.15, 0, 16) > 0  # it probes again after a while
+    costs = StepCosts()
+    costs.observe(1, 0, 0.010)
+    costs.observe(1, 4, 0.018)
+    assert costs.row_fraction(1) == pytest.approx(0.2)
+    assert costs.row_fraction(4) == pytest.approx(0.05)  # batch 4 unmeasured: assumed linear from batch 1
+
+
+def test_config_is_checked():
+    assert SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4}').num_speculative_tokens == 4
+    for bad, message in (({"method": "eagle"}, "method"), ({"num_speculative_tokens": 0}, "num_speculative"),
+                         ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup"),
+                         ({"nope": 1}, "unknown field"), ("{not json", "JSON")):
+        with pytest.raises(ValueError, match=message):
+            SpeculativeConfig.parse(bad)
