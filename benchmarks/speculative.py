@@ -75,7 +75,7 @@ def run(llm: LLM, prompts: list, params: SamplingParams) -> tuple[float, float, 
     decode = (m.num_generated_tokens - 1) / m.decode_time if m.decode_time else 0.0
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     stats = llm.engine.speculator
-    drafted = sum(a.proposed for a in stats.acceptance.values()) if stats else 0
+    drafted = stats.num_draft_tokens if stats else 0
     return decode, tokens / wall, [o.outputs[0].token_ids for o in outs], drafted
 
 
@@ -115,7 +115,7 @@ def main() -> None:
                 figures[name].append(result[figure])
                 outputs[name] = result[2]
         p, s = statistics.median(figures["plain"]), statistics.median(figures["spec"])
-        accepted = sum(a.accepted for a in spec.engine.speculator.acceptance.values())
+        accepted = spec.engine.speculator.num_accepted_tokens
         same = "yes" if outputs["plain"] == outputs["spec"] else "NO"
         unit = "decode tok/s (batch 1)" if figure == 0 else "output tok/s"
         rows.append(f"| {label} | {unit} | {p:.1f} | {s:.1f} | {s / p:.2f}x | {same} |")

@@ -37,6 +37,9 @@ class StepInputs:
     logits_indices: torch.Tensor  # rows of the flat batch whose logits are returned: sampled ones first
     sample_request_ids: list[str]  # per sampled row (a verify step's sequence has several, in a run)
     prompt_spans: list[PromptSpan]  # then the prompt rows whose logits are wanted, in this order
+    # Rows that hold draft tokens (speculative decoding). Executors whose arithmetic depends on a step's
+    # row count decide by the rows without them, so a verified token is computed as plain decoding would.
+    num_draft_rows: int = 0
 
 
 @dataclass
@@ -149,6 +152,7 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
             sample_request_ids=sample_ids,
             prompt_spans=spans,
+            num_draft_rows=sum(len(seq.draft_token_ids) for seq in scheduled),
         )
 
     def _cache_places(self, scheduled, positions: list[np.ndarray], group: int) -> dict:

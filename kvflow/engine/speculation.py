@@ -16,7 +16,7 @@ import numpy as np
 
 from kvflow.engine.request import Request
 from kvflow.spec.config import SpeculativeConfig
-from kvflow.spec.control import Acceptance, StepCosts, best_num_drafts
+from kvflow.spec.control import Acceptance, MatchAcceptance, StepCosts, best_num_drafts
 from kvflow.spec.ngram import NgramProposer
 
 
@@ -24,7 +24,8 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-        self.acceptance: dict[str, Acceptance] = {}
+        self.acceptance: dict[str, MatchAcceptance] = {}
+        self._judged: dict[str, Acceptance] = {}  # this step's estimate, per request that proposed
         self.costs = StepCosts()
         self.num_draft_tokens = 0  # verified since start, over every request (metrics)
         self.num_accepted_tokens = 0
@@ -37,16 +38,21 @@ class Speculator:
         if not decoding:
             return
         row_fraction = self.costs.row_fraction(len(decoding))
+        limit = self.config.num_speculative_tokens
         for request in decoding:
             if not eligible(request):
                 continue
-            acceptance = self.acceptance.setdefault(request.request_id, Acceptance())
-            k = best_num_drafts(acceptance.rate, row_fraction, len(decoding) - 1, self.config.num_speculative_tokens)
-            if k:
-                request.draft_token_ids = self.proposer.propose(np.asarray(request.all_token_ids, dtype=np.int64), k)
+            draft, matched = self.proposer.propose(np.asarray(request.all_token_ids, dtype=np.int64), limit)
+            if not draft:
+                continue
+            acceptance = self.acceptance.setdefault(request.request_id, MatchAcceptance()).of(matched)
+            k = best_num_drafts(acceptance.rate, row_fraction, len(decoding) - 1, limit)
+            request.draft_token_ids = draft[:k]
+            self._judged[request.request_id] = acceptance
 
     def settle(self, request_id: str, num_draft: int, num_kept: int) -> None:
-        acceptance = self.acceptance.get(request_id)
+        """What came of the request's proposal this step (num_draft 0: proposed, but none were worth it)."""
+        acceptance = self._judged.pop(request_id, None)
         if acceptance is None:
             return
         if num_draft:
@@ -62,6 +68,7 @@ class Speculator:
 
     def forget(self, request_id: str) -> None:
         self.acceptance.pop(request_id, None)
+        self._judged.pop(request_id, None)
 
 
 def kept_tokens(model_tokens: list[int], drafts: list[int]) -> list[int]:

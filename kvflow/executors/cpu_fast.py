@@ -48,9 +48,13 @@ class CpuFastExecutor(LayersExecutor):
                               seq_lens=meta.seq_lens.data_ptr(), block_tables=meta.block_tables.data_ptr(),
                               table_stride=meta.block_tables.stride(0), num_seqs=len(meta.seq_lens_cpu),
                               num_tokens=rows)
-        dense = self._dense_buffers(rows) if rows >= self.dense_min_rows and native.dense_t is not None else None
-        has_prompt_rows = rows > len(meta.seq_lens_cpu)
-        eight_bit = 0 < self.eight_bit_min_rows and rows >= (
+        # How to multiply is chosen by the rows without drafts: a verified token is then computed exactly as
+        # the plain decode step it replaces (the kernels compute each row on its own).
+        plain_rows = rows - inputs.num_draft_rows
+        dense = (self._dense_buffers(rows) if plain_rows >= self.dense_min_rows and native.dense_t is not None
+                 else None)
+        has_prompt_rows = plain_rows > len(meta.seq_lens_cpu)
+        eight_bit = 0 < self.eight_bit_min_rows and plain_rows >= (
             self.eight_bit_prompt_min_rows if has_prompt_rows else self.eight_bit_min_rows)
         hidden = torch.empty(rows, self.model.arch.hidden_size)
         picked = inputs.logits_indices

@@ -13,7 +13,7 @@ class SpeculativeConfig:
     method: str = "ngram"
     num_speculative_tokens: int = 16  # the most draft tokens one sequence verifies per step
     prompt_lookup_min: int = 2  # the shortest suffix n-gram that may be looked up
-    prompt_lookup_max: int = 5  # the longest
+    prompt_lookup_max: int = 16  # the longest (a longer match also says how far to trust the draft)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 PRIOR_ACCEPTANCE = 0.5  # before a sequence has shown anything
 DECAY = 0.9  # weight of the history in the acceptance estimate, per judged draft token
 RECOVERY = 0.02  # per step without drafts, the estimate drifts back toward the prior (so it probes again)
@@ -40,43 +42,71 @@ class Acceptance:
         self.rate += RECOVERY * (PRIOR_ACCEPTANCE - self.rate)
 
 
+# Drafts are judged separately by how long a suffix they matched: bucket i holds matches of up to
+# MATCH_BUCKETS[i] tokens (the last bucket: longer ones).
+MATCH_BUCKETS = (2, 3, 5, 8, 12)
+
+
+class MatchAcceptance:
+    """A sequence's acceptance estimates, one per matched-suffix length bucket."""
+
+    def __init__(self) -> None:
+        self.buckets = [Acceptance() for _ in range(len(MATCH_BUCKETS) + 1)]
+
+    def of(self, matched: int) -> Acceptance:
+        return self.buckets[next((i for i, top in enumerate(MATCH_BUCKETS) if matched <= top), len(MATCH_BUCKETS))]
+
+    @property
+    def proposed(self) -> int:
+        return sum(b.proposed for b in self.buckets)
+
+    @property
+    def accepted(self) -> int:
+        return sum(b.accepted for b in self.buckets)
+
+
 class StepCosts:
-    """Measured step times: plain decode steps by batch size, and the extra time of each draft row."""
+    """A decode step's time, learned as fixed + per_sequence * sequences + per_row * draft_rows: a least-
+    squares fit over the decode-only steps seen, older ones weighing less. A draft row costs its matmul
+    rows; a sequence also its attention's KV reads. Before the steps vary enough to separate the terms,
+    the fit leans on `prior_row_fraction` (a row as a fraction of a one-sequence step)."""
+
+    DECAY = 0.98  # weight of the history, per observed step
+    PRIOR_WEIGHT = 1e-4  # how strongly the fit leans on the prior split
 
     def __init__(self, prior_row_fraction: float = 0.15) -> None:
-        self.plain: dict[int, float] = {}  # batch size -> EMA of a plain decode step's seconds
-        self.row: float | None = None  # EMA of one draft row's extra seconds
-        self.prior_row_fraction = prior_row_fraction  # a row's cost as a fraction of a batch-1 step, unmeasured
+        self.prior_row_fraction = prior_row_fraction
+        self._xx = np.zeros((3, 3))
+        self._xt = np.zeros(3)
+        self._theta: np.ndarray | None = None
+        self.steps = 0
 
     def observe(self, batch: int, draft_rows: int, seconds: float) -> None:
-        if draft_rows == 0:
-            old = self.plain.get(batch)
-            self.plain[batch] = seconds if old is None else 0.8 * old + 0.2 * seconds
-            return
-        base = self.plain_step(batch)
-        if base is None:
-            return
-        per_row = max(seconds - base, 0.0) / draft_rows
-        self.row = per_row if self.row is None else 0.8 * self.row + 0.2 * per_row
+        x = np.array([1.0, float(batch), float(draft_rows)])
+        self._xx = self.DECAY * self._xx + np.outer(x, x)
+        self._xt = self.DECAY * self._xt + x * seconds
+        self.steps += 1
+        self._theta = None
 
-    def plain_step(self, batch: int) -> float | None:
-        if batch in self.plain:
-            return self.plain[batch]
-        known = [b for b in self.plain if b <= batch]
-        if not known:
+    def _fit(self) -> np.ndarray | None:
+        if self.steps == 0:
             return None
-        nearest = max(known)
-        return self.plain[nearest] * batch / nearest  # no faster than linear from a smaller batch: conservative
+        if self._theta is None:
+            # The prior: a one-sequence step's mean time split evenly into fixed and per-sequence parts,
+            # and a row at prior_row_fraction of it; the data moves the fit away from it as it varies.
+            mean = self._xt[0] / max(self._xx[0, 0], 1e-12)
+            prior = np.array([mean / 2, mean / 2, self.prior_row_fraction * mean])
+            scale = self.PRIOR_WEIGHT * max(self._xx[0, 0], 1.0)
+            theta = np.linalg.solve(self._xx + scale * np.eye(3), self._xt + scale * prior)
+            self._theta = np.maximum(theta, [0.0, 1e-6, 1e-6])
+        return self._theta
 
     def row_fraction(self, batch: int) -> float:
         """What one more row costs, as a fraction of a plain decode step of this batch."""
-        step = self.plain_step(batch)
-        if step is None or step <= 0:
+        theta = self._fit()
+        if theta is None:
             return self.prior_row_fraction / batch  # nothing measured yet
-        row = self.row
-        if row is None:
-            row = self.prior_row_fraction * self.plain.get(1, step / batch)
-        return row / step
+        return float(theta[2] / (theta[0] + theta[1] * batch))
 
 
 def best_num_drafts(rate: float, row_fraction: float, others: int, limit: int) -> int:

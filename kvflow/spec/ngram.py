@@ -1,6 +1,7 @@
-"""Prompt lookup: the draft is what followed the latest earlier occurrence of the sequence's last n tokens
-(in its prompt or its own output). Agents copy long spans of their context (the file they edit, the tool
-output they quote), and there the lookup guesses right for many tokens in a row."""
+"""Prompt lookup: the draft is what followed the latest earlier occurrence of the sequence's longest
+repeated suffix (in its prompt or its own output). Agents copy long spans of their context (the file they
+edit, the tool output they quote), and there the lookup guesses right for many tokens in a row. How many
+tokens matched says how far to trust it: a 12-token match is a copy in progress, a 2-token one a guess."""
 
 from __future__ import annotations
 
@@ -11,16 +12,22 @@ class NgramProposer:
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, tokens: np.ndarray, k: int) -> list[int]:
-        """Up to k tokens to guess after `tokens` (int64, the whole sequence so far); [] when no suffix of
-        min_n..max_n tokens occurred before. Longer suffixes are tried first: they predict better."""
+    def propose(self, tokens: np.ndarray, k: int) -> tuple[list[int], int]:
+        """(up to k tokens to guess after `tokens` (int64, the whole sequence so far), the length of the
+        matched suffix); ([], 0) when no suffix of min_n tokens occurred before."""
         length = len(tokens)
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            suffix = tokens[length - n:]
-            # Windows of n tokens that start before the suffix itself and leave a token after them.
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
-                return tokens[start:start + k].tolist()
-        return []
+        if length < 2 or k < 1:
+            return [], 0
+        # Earlier positions holding the last token, then kept while the tokens before them match too.
+        ends = np.flatnonzero(tokens[: length - 1] == tokens[-1])
+        matched, best = 1, ends
+        for n in range(2, min(self.max_n, length - 1) + 1):
+            ends = ends[ends >= n - 1]
+            ends = ends[tokens[ends - (n - 1)] == tokens[length - n]]
+            if ends.size == 0:
+                break
+            matched, best = n, ends
+        if matched < self.min_n or best.size == 0:
+            return [], 0
+        start = int(best[-1]) + 1  # the latest occurrence: recent context predicts best
+        return tokens[start:start + k].tolist(), matched
