@@ -22,7 +22,7 @@ from kvflow.engine.scheduler import Scheduler
 from kvflow.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from kvflow.engine.speculation import Speculator, kept_tokens
 from kvflow.executors.model_setup import LoadedModel, load_model, set_threads
-from kvflow.layers.sampler import Sampler, SamplingRow, is_greedy, make_generator
+from kvflow.layers.sampler import Sampler, SamplingRow, position_generator
 from kvflow.outputs import Logprob, RequestOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.spec.config import SpeculativeConfig
@@ -144,13 +144,12 @@ class LLMEngine:
         if params.prompt_logprobs is not None and index == 0 and request.num_prompt_tokens > 1:
             request.prompt_logits_from = 0  # the first sequence scores the prompt for the group
         seed = None if params.seed is None else params.seed + index
-        generator = None if seed is None else make_generator(seed, self.loaded.device)
         state = SequenceState(
             group_id=group.request_id,
             index=index,
             request=request,
             detokenizer=IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids, params),
-            generator=generator,
+            seed=seed,
             logprobs=[] if params.logprobs is not None else None,
             cumulative_logprob=0.0 if params.logprobs is not None else None,
             grammar=None if params.structured_output is None else SequenceGrammar(self.grammars,
@@ -279,9 +278,11 @@ class LLMEngine:
         return sampled
 
     def _may_speculate(self, request: Request) -> bool:
-        """Whether a request's drafts can be checked exactly: greedy, and no grammar to advance per draft."""
+        """Whether a request's drafts can be checked exactly: every one but those with a grammar to advance
+        per draft. (Greedy or sampled: each draft position is sampled as plain decoding would sample it,
+        and a draft is kept while it equals that sample; see engine/speculation.py.)"""
         seq = self.sequences.get(request.request_id)
-        return seq is not None and seq.grammar is None and is_greedy(request.sampling_params)
+        return seq is not None and seq.grammar is None
 
     def _learn_from_step(self, sched: SchedulerOutput, sampled: dict[str, list[int]], seconds: float) -> None:
         """Acceptance per speculating sequence; and, for a step of decodes only, what it cost."""
@@ -375,10 +376,11 @@ class LLMEngine:
         below_min = len(output) < params.min_tokens
         ends = self._end_tokens(params) if below_min or grammar is not None else []
         suppress = ends if below_min else []
+        generator = None if seq.seed is None else position_generator(seq.seed, len(output), self.loaded.device)
         if grammar is None:
-            return SamplingRow(params, req.prompt_token_ids, output, seq.generator, suppress)
+            return SamplingRow(params, req.prompt_token_ids, output, generator, suppress)
         wrap_up = grammar.wrapping_up(req.num_output_tokens, req.max_tokens)
-        return SamplingRow(params, req.prompt_token_ids, req.output_token_ids, seq.generator, suppress,
+        return SamplingRow(params, req.prompt_token_ids, req.output_token_ids, generator, suppress,
                            grammar.matcher, ends, self.grammars.closing_tokens if wrap_up else None,
                            grammar.in_string, mask_words)
 

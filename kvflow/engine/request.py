@@ -14,8 +14,6 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from kvflow.engine.detokenizer import IncrementalDetokenizer
 from kvflow.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvflow.sampling_params import SamplingParams
@@ -144,7 +142,7 @@ class SequenceState:
     index: int
     request: Request
     detokenizer: IncrementalDetokenizer
-    generator: torch.Generator | None
+    seed: int | None  # a seeded sequence's seed (the request's + its index): its noise per position
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     finish_reason: str | None = None

@@ -1,11 +1,15 @@
 """The engine's side of speculative decoding: before each step, give the decoding sequences that may
 speculate their draft tokens (as many as pay, kvflow/spec/control.py); after it, learn from what was kept
 and from what the step cost. The scheduler gives drafts KV slots and rolls back the rejected ones; the
-runner samples every draft position; the engine keeps the longest run the model agrees with.
+runner returns logits for every draft position; the engine keeps the longest run the model agrees with.
 
-Only greedy sequences without an output grammar speculate for now: for them, keeping a draft token exactly
-when it equals the model's own choice at its position makes the output identical to decoding without
-speculation. Sampled sequences decode as usual.
+Why it is lossless: each position of a verify step is sampled exactly as plain decoding would sample it
+(the same logits, penalties counting the drafts before it as output, and for a seeded sequence the same
+noise: layers/sampler.position_generator), and a draft is kept only while it equals that sample. A greedy
+output is then identical; a sampled one too for a seeded request, and for any request its distribution
+is the target's (a drafted token is kept with probability p(draft), and on a miss the sample is drawn from
+p given that it is not the draft: the rejection-sampling rule for a draft that is a single token).
+Sequences with an output grammar decode as usual (their matcher would have to advance over each draft).
 """
 
 from __future__ import annotations

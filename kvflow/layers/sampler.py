@@ -30,7 +30,7 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    generator: torch.Generator | None = None  # made once per seeded request and kept across steps
+    generator: torch.Generator | None = None  # a seeded row's (position_generator), else None
     suppress_token_ids: list[int] = field(default_factory=list)  # masked while below min_tokens
     matcher: Any = None  # the request's grammar state (an llguidance matcher) for structured output
     end_token_ids: list[int] = field(default_factory=list)  # tokens that end it, allowed where its grammar may end
@@ -51,6 +51,17 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     return generator
+
+
+def position_generator(seed: int, position: int, device: torch.device | str) -> torch.Generator:
+    """The generator for a seeded sequence's output token at `position`: its noise depends on the seed
+    and the position alone, not on how many draws came before. So a seeded sample is the same whether the
+    token is decoded on its own or verified in a speculative step (which also samples positions whose
+    drafts are then thrown away), and the same after a preemption."""
+    z = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) % (1 << 64)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % (1 << 64)  # splitmix64's mixing: nearby seeds decorrelate
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % (1 << 64)
+    return make_generator(z ^ (z >> 31), device)
 
 
 def is_greedy(params: SamplingParams) -> bool:

@@ -92,10 +92,10 @@ def test_a_request_that_fails_in_the_step_fails_alone(llm, monkeypatch):
     real = engine._sampling_row
     doomed = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, min_p=0.01)
 
-    def sampling_row(seq, mask_words=None):
+    def sampling_row(seq, *args):
         if seq.request.sampling_params.min_p == doomed.min_p:
             raise RuntimeError("injected setup failure")
-        return real(seq, mask_words)
+        return real(seq, *args)
 
     monkeypatch.setattr(engine, "_sampling_row", sampling_row)
     outs = llm.generate(PROMPTS[:2] + [PROMPTS[5]] + PROMPTS[2:3], [GREEDY_32, GREEDY_32, doomed, GREEDY_32])
