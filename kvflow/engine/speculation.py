@@ -29,7 +29,8 @@ class Speculator:
         self.config = config
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.acceptance: dict[str, MatchAcceptance] = {}
-        self._judged: dict[str, Acceptance] = {}  # this step's estimate, per request that proposed
+        self.shared = MatchAcceptance()  # over every request: where a new request's estimates start
+        self._judged: dict[str, tuple[Acceptance, Acceptance]] = {}  # this step's (own, shared) estimates
         self.costs = StepCosts()
         self.num_draft_tokens = 0  # verified since start, over every request (metrics)
         self.num_accepted_tokens = 0
@@ -49,18 +50,23 @@ class Speculator:
             draft, matched = self.proposer.propose(np.asarray(request.all_token_ids, dtype=np.int64), limit)
             if not draft:
                 continue
-            acceptance = self.acceptance.setdefault(request.request_id, MatchAcceptance()).of(matched)
+            own = self.acceptance.get(request.request_id)
+            if own is None:
+                own = self.acceptance[request.request_id] = MatchAcceptance(self.shared)
+            acceptance = own.of(matched)
             k = best_num_drafts(acceptance.rate, row_fraction, len(decoding) - 1, limit)
             request.draft_token_ids = draft[:k]
-            self._judged[request.request_id] = acceptance
+            self._judged[request.request_id] = (acceptance, self.shared.of(matched))
 
     def settle(self, request_id: str, num_draft: int, num_kept: int) -> None:
         """What came of the request's proposal this step (num_draft 0: proposed, but none were worth it)."""
-        acceptance = self._judged.pop(request_id, None)
-        if acceptance is None:
+        judged = self._judged.pop(request_id, None)
+        if judged is None:
             return
+        acceptance, shared = judged
         if num_draft:
             acceptance.update(num_draft, num_kept)
+            shared.update(num_draft, num_kept)
             self.num_draft_tokens += num_draft
             self.num_accepted_tokens += num_kept
         else:

@@ -48,10 +48,12 @@ MATCH_BUCKETS = (2, 3, 5, 8, 12)
 
 
 class MatchAcceptance:
-    """A sequence's acceptance estimates, one per matched-suffix length bucket."""
+    """Acceptance estimates, one per matched-suffix length bucket: a sequence's own, starting from
+    `start` (what all sequences so far have shown: a new request of a kind that never pays starts low)."""
 
-    def __init__(self) -> None:
-        self.buckets = [Acceptance() for _ in range(len(MATCH_BUCKETS) + 1)]
+    def __init__(self, start: MatchAcceptance | None = None) -> None:
+        self.buckets = [Acceptance(rate=b.rate) if start else Acceptance()
+                        for b in (start.buckets if start else [None] * (len(MATCH_BUCKETS) + 1))]
 
     def of(self, matched: int) -> Acceptance:
         return self.buckets[next((i for i, top in enumerate(MATCH_BUCKETS) if matched <= top), len(MATCH_BUCKETS))]
