@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import GREEDY_32, PROMPTS, greedy_tokens, make_llm
+from engine_helpers import PROMPTS, greedy_tokens, make_llm
 
 from kvflow import SamplingParams
 from kvflow.engine.scheduler import PROMPT_LOGITS_CHUNK
+
+GREEDY_8 = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +78,10 @@ def test_max_tokens_zero_scores_the_prompt_and_generates_nothing(llm, hf_default
 
 def test_scoring_in_a_batch_changes_nothing_else(llm, hf_default, long_prompt):
     """Scored alongside plain requests, chunked into small steps: the others' greedy tokens stay theirs."""
-    alone = greedy_tokens(llm, PROMPTS[:3])
+    alone = greedy_tokens(llm, PROMPTS[:3], GREEDY_8)
     small = make_llm(llm.engine.loaded, max_num_batched_tokens=96)
     prompts = PROMPTS[:1] + [{"prompt_token_ids": long_prompt}] + PROMPTS[1:3]
-    params = [GREEDY_32, SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=1), GREEDY_32, GREEDY_32]
+    params = [GREEDY_8, SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=1), GREEDY_8, GREEDY_8]
     outs = small.generate(prompts, params)
     assert [outs[i].outputs[0].token_ids for i in (0, 2, 3)] == alone
     assert all(outs[i].prompt_logprobs is None for i in (0, 2, 3))
@@ -87,10 +89,10 @@ def test_scoring_in_a_batch_changes_nothing_else(llm, hf_default, long_prompt):
 
 
 def test_a_request_that_fails_in_the_step_fails_alone(llm, monkeypatch):
-    alone = greedy_tokens(llm, PROMPTS[:3])
+    alone = greedy_tokens(llm, PROMPTS[:3], GREEDY_8)
     engine = llm.engine
     real = engine._sampling_row
-    doomed = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, min_p=0.01)
+    doomed = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, min_p=0.01)
 
     def sampling_row(seq, *args):
         if seq.request.sampling_params.min_p == doomed.min_p:
@@ -98,7 +100,7 @@ def test_a_request_that_fails_in_the_step_fails_alone(llm, monkeypatch):
         return real(seq, *args)
 
     monkeypatch.setattr(engine, "_sampling_row", sampling_row)
-    outs = llm.generate(PROMPTS[:2] + [PROMPTS[5]] + PROMPTS[2:3], [GREEDY_32, GREEDY_32, doomed, GREEDY_32])
+    outs = llm.generate(PROMPTS[:2] + [PROMPTS[5]] + PROMPTS[2:3], [GREEDY_8, GREEDY_8, doomed, GREEDY_8])
     assert [outs[i].outputs[0].token_ids for i in (0, 1, 3)] == alone
     assert all(outs[i].error is None for i in (0, 1, 3))
     assert outs[2].finished and "injected setup failure" in outs[2].error

@@ -130,7 +130,7 @@ def test_copying_on_the_default_model_keeps_most_drafts(default_loaded):
     code = "\n".join(f"def area_{i}(width, height):\n    return width * height + {i}\n" for i in range(12))
     prompt = (f"<|im_start|>user\nRepeat this file exactly:\n```python\n{code}```<|im_end|>\n"
               "<|im_start|>assistant\n```python\n")
-    params = SamplingParams(temperature=0, max_tokens=96)
+    params = SamplingParams(temperature=0, max_tokens=64)
     plain = make_llm(default_loaded)
     spec = make_llm(default_loaded, speculative_config={"method": "ngram"})
     expected = plain.generate(prompt, params)[0].outputs[0].token_ids
