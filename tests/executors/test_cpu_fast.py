@@ -16,6 +16,8 @@ from tiny_models import make_tiny_checkpoint
 
 from kvflow import SamplingParams
 from kvflow.config import ModelConfig
+from kvflow.engine.request import Request
+from kvflow.engine.scheduler_output import ScheduledSequence
 from kvflow.executors import native_model
 from kvflow.executors.cpu_fast import CpuFastExecutor
 from kvflow.executors.model_setup import load_model, make_bf16_copies
@@ -113,13 +115,10 @@ def test_many_row_packed_steps_match_the_exact_mode(sixteen_bit, packed_loaded, 
 def prompt_log_probs(llm, token_ids: list[int], eight_bit: bool) -> torch.Tensor:
     """Teacher-forced: log-probabilities at every position of one prompt, prefilled as one native step
     with 8-bit or 16-bit matmul inputs."""
-    from types import SimpleNamespace
-
     executor = llm.engine.runner.executor
     executor.eight_bit_min_rows = executor.eight_bit_prompt_min_rows = 1 if eight_bit else 0
-    request = SimpleNamespace(all_token_ids=token_ids, request_id="r")
     blocks = list(range(-(-len(token_ids) // llm.engine.runner.block_size)))
-    seq = SimpleNamespace(request=request, start=0, num_tokens=len(token_ids), block_ids=blocks, sample=True)
+    seq = ScheduledSequence(Request("r", token_ids, SamplingParams()), 0, len(token_ids), blocks, True)
     inputs = llm.engine.runner.prepare([seq])
     inputs.logits_indices = torch.arange(len(token_ids))
     return torch.log_softmax(executor.execute(inputs), dim=-1)
@@ -171,10 +170,7 @@ def test_bad_positions_and_token_ids_are_refused_before_any_write(fast_loaded):
 
 
 def _one_token_sequence(llm):
-    from types import SimpleNamespace
-
-    request = SimpleNamespace(all_token_ids=[5], request_id="r")
-    return SimpleNamespace(request=request, start=0, num_tokens=1, block_ids=[0], sample=True)
+    return ScheduledSequence(Request("r", [5], SamplingParams()), 0, 1, [0], True)
 
 
 def generate_without_native(loaded, prompts, **options):
