@@ -88,7 +88,8 @@ def test_scoring_in_a_batch_changes_nothing_else(llm, hf_default, long_prompt):
     check_against_reference(outs[1].prompt_logprobs, long_prompt, reference_logprobs(hf_default, long_prompt), 1)
 
 
-def test_a_request_that_fails_in_the_step_fails_alone(llm, monkeypatch):
+def test_a_request_that_fails_in_the_step_fails_alone(packed_loaded, monkeypatch):
+    llm = make_llm(packed_loaded)
     alone = greedy_tokens(llm, PROMPTS[:3], GREEDY_8)
     engine = llm.engine
     real = engine._sampling_row

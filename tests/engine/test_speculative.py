@@ -125,14 +125,15 @@ def test_stop_strings_logprobs_and_penalties_see_the_verified_tokens(tiny):
     assert spec.engine.speculator.num_accepted_tokens > 0
 
 
-def test_copying_on_the_default_model_keeps_most_drafts(default_loaded):
-    """The default model asked to repeat a file: identical output, most drafts kept, fewer steps."""
+def test_copying_on_the_default_model_keeps_most_drafts(packed_loaded):
+    """The default model (its packed weights, exact mode) asked to repeat a file: identical output, most
+    drafts kept, fewer steps."""
     code = "\n".join(f"def area_{i}(width, height):\n    return width * height + {i}\n" for i in range(12))
     prompt = (f"<|im_start|>user\nRepeat this file exactly:\n```python\n{code}```<|im_end|>\n"
               "<|im_start|>assistant\n```python\n")
     params = SamplingParams(temperature=0, max_tokens=64)
-    plain = make_llm(default_loaded)
-    spec = make_llm(default_loaded, speculative_config={"method": "ngram"})
+    plain = make_llm(packed_loaded)
+    spec = make_llm(packed_loaded, speculative_config={"method": "ngram"})
     expected = plain.generate(prompt, params)[0].outputs[0].token_ids
     steps = spec.engine.num_steps
     got = spec.generate(prompt, params)[0]
