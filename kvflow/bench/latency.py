@@ -161,8 +161,20 @@ def run_latency(
         "matmul_flop_per_s": flops_rate,
         "probe": probe,
         "date": time.strftime("%Y-%m-%d %H:%M"),
+        "speculative": _speculation(llm),
         "results": results,
     }
+
+
+def _speculation(llm: LLM) -> dict | None:
+    """With --speculative-config: what it verified and kept over the whole run (the tg tests' figures
+    include it)."""
+    spec = llm.engine.speculator
+    if spec is None:
+        return None
+    drafted, kept = spec.num_draft_tokens, spec.num_accepted_tokens
+    return {"method": spec.config.method, "draft_tokens": drafted, "accepted_tokens": kept,
+            "acceptance_rate": kept / drafted if drafted else None}
 
 
 def prefill_matmul_kind(loaded) -> str:
@@ -197,6 +209,11 @@ def markdown_table(report: dict) -> str:
             f"| {r['test']} | {r['depth']} | {r['batch']} | {r['tokens_per_s']:,.1f} | "
             f"{r['roofline_tokens_per_s']:,.0f} | {100 * frac:.0f}% |"
         )
+    spec = report.get("speculative")
+    if spec:
+        rate = "-" if spec["acceptance_rate"] is None else f"{100 * spec['acceptance_rate']:.0f}%"
+        lines += ["", f"speculative decoding ({spec['method']}): {spec['accepted_tokens']} of {spec['draft_tokens']} "
+                      f"draft tokens kept ({rate})"]
     return "\n".join(lines)
 
 

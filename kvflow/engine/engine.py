@@ -16,6 +16,7 @@ import torch
 
 from kvflow.config import EngineConfig
 from kvflow.engine.detokenizer import IncrementalDetokenizer
+from kvflow.engine.prompt_scoring import score_prompt
 from kvflow.engine.request import Request, RequestGroup, RequestStatus, SequenceState
 from kvflow.engine.runner import ModelRunner
 from kvflow.engine.scheduler import Scheduler
@@ -322,29 +323,9 @@ class LLMEngine:
             if seq is None or seq.group_id not in self.groups:
                 continue
             try:
-                self._score_prompt(self.groups[seq.group_id], seq.request, span.start, rows)
+                score_prompt(self.groups[seq.group_id], seq.request, span.start, rows, self.tokenizer.decode)
             except Exception as exc:  # noqa: BLE001 - one request's failure must not end the others'
                 self._fail_group(seq, exc, touched)
-
-    def _score_prompt(self, group: RequestGroup, request: Request, start: int, rows: torch.Tensor) -> None:
-        k = group.params.prompt_logprobs
-        scored = group.prompt_logprobs
-        targets = torch.tensor(request.prompt_token_ids[start + 1:start + 1 + rows.shape[0]])
-        chosen = rows.gather(1, targets[:, None])
-        ranks = (rows > chosen).sum(dim=1) + 1
-        top_values, top_ids = rows.topk(k, dim=1) if k else (None, None)
-        decode = self.tokenizer.decode
-        for i, (token, value, rank) in enumerate(zip(targets.tolist(), chosen[:, 0].tolist(), ranks.tolist())):
-            if start + 1 + i != len(scored):
-                continue  # scored before this recompute
-            entry = {token: Logprob(value, rank, decode([token]))}
-            if k:
-                for r, (tid, v) in enumerate(zip(top_ids[i].tolist(), top_values[i].tolist()), start=1):
-                    entry.setdefault(tid, Logprob(v, r, decode([tid])))
-            scored.append(entry)
-        request.prompt_logits_from = start + rows.shape[0]
-        if request.prompt_logits_from >= request.num_prompt_tokens - 1:
-            request.prompt_logits_from = None  # all scored: the prefix cache may serve it again
 
     def _fork_children(self, sched: SchedulerOutput, group: RequestGroup, parent: SequenceState) -> list:
         """n > 1: once the prompt is computed, the other n - 1 sequences start from the parent's KV blocks."""

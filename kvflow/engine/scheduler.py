@@ -230,8 +230,14 @@ class Scheduler:
         room = min(budget - 1, self.config.max_model_len - request.num_tokens - 1)
         if request.max_tokens is not None:
             room = min(room, request.max_tokens - request.num_output_tokens - 1)
+        # Drafts may fill the last block the next token needs anyway; a block more only while every running
+        # request could still take one (so speculation never makes another request wait or be preempted).
+        kv = self.kv_cache_manager
+        within = kv.blocks_needed(request.num_tokens) * self.block_size - request.num_tokens
+        spare = kv.num_free_blocks - len(self.running)
+        room = min(room, within + max(spare, 0) * self.block_size)
         drafts = tuple(drafts[: max(room, 0)])
-        if drafts and not self.kv_cache_manager.allocate_slots(request, 1 + len(drafts)):
+        if drafts and not kv.allocate_slots(request, 1 + len(drafts)):
             return ()
         return drafts
 

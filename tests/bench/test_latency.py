@@ -44,16 +44,24 @@ def test_latency_command_writes_json_with_rooflines(tmp_path, tiny_checkpoints):
 
 
 def test_zero_prompt_or_generation_length_skips_that_test(tmp_path, tiny_checkpoints):
-    # As in llama-bench: -p 0 runs only the decode tests, -n 0 only the prefill ones.
+    # As in llama-bench: -p 0 runs only the decode tests, -n 0 only the prefill ones (the first with
+    # speculation on, which the report then names).
     probe_path = save_probe(PROBE, tmp_path / "probe.json")
     from kvflow.cli import main
 
-    for flags, expected in ((["-p", "0", "-n", "4"], {"tg4"}), (["-p", "8", "-n", "0"], {"pp8"})):
+    spec = ["--speculative-config", '{"method": "ngram", "prompt_lookup_min": 1}']
+    for flags, expected in ((["-p", "0", "-n", "16", *spec], {"tg16"}), (["-p", "8", "-n", "0"], {"pp8"})):
         out = tmp_path / "latency.json"
         # In this process (the command's own entry point): two interpreters and torch imports cost seconds.
         assert main(["bench", "latency", "--model", str(tiny_checkpoints["llama"]), *flags, "-d", "16", "-r", "1",
                      "--probe", str(probe_path), "--out", str(out)]) == 0
-        assert {r["test"] for r in json.loads(out.read_text())["results"]} == expected
+        report = json.loads(out.read_text())
+        assert {r["test"] for r in report["results"]} == expected
+        if spec[0] in flags:  # the run's speculation is reported beside the figures it changed
+            assert report["speculative"]["method"] == "ngram"
+            assert 0 <= report["speculative"]["accepted_tokens"] <= report["speculative"]["draft_tokens"]
+        else:
+            assert report["speculative"] is None
 
 
 def test_weight_bytes_counts_each_read_weight_once(default_loaded):
