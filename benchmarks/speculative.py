@@ -66,17 +66,15 @@ def story_prompt(tokenizer) -> str:
                                          add_generation_prompt=True)
 
 
-def run(llm: LLM, prompts: list, params: SamplingParams) -> tuple[float, float, list[list[int]], float]:
-    """(batch-1 decode tok/s of the first request, output tok/s over the wall time, outputs, acceptance)."""
+def run(llm: LLM, prompts: list, params: SamplingParams) -> tuple[float, float, list[list[int]]]:
+    """(batch-1 decode tok/s of the first request, output tok/s over the wall time, outputs)."""
     t = time.perf_counter()
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - t
     m = outs[0].metrics
     decode = (m.num_generated_tokens - 1) / m.decode_time if m.decode_time else 0.0
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    stats = llm.engine.speculator
-    drafted = stats.num_draft_tokens if stats else 0
-    return decode, tokens / wall, [o.outputs[0].token_ids for o in outs], drafted
+    return decode, tokens / wall, [o.outputs[0].token_ids for o in outs]
 
 
 def main() -> None:

@@ -85,6 +85,16 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def tiny_packed(tiny_checkpoints):
+    """The tiny random Llama int4-packed in the exact mode: quick, and batch-invariant."""
+    from kvflow.config import ModelConfig
+    from kvflow.executors.model_setup import load_model
+
+    return load_model(ModelConfig(model=str(tiny_checkpoints["llama"]), device="cpu", mode="exact",
+                                  quantization="int4"))
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     folder = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("models") / TINY_NAME)
     config_file = folder / "config.json"

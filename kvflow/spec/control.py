@@ -25,14 +25,10 @@ class Acceptance:
     """One sequence's running estimate of the chance that its next draft token is right."""
 
     rate: float = PRIOR_ACCEPTANCE
-    proposed: int = 0
-    accepted: int = 0
 
     def update(self, num_draft: int, num_accepted: int) -> None:
         """num_accepted of num_draft were kept: every kept one counts as a success, the first rejected
         one (if any) as a failure; the ones after it were never judged."""
-        self.proposed += num_draft
-        self.accepted += num_accepted
         for _ in range(num_accepted):
             self.rate = DECAY * self.rate + (1 - DECAY)
         if num_accepted < num_draft:
@@ -57,14 +53,6 @@ class MatchAcceptance:
 
     def of(self, matched: int) -> Acceptance:
         return self.buckets[next((i for i, top in enumerate(MATCH_BUCKETS) if matched <= top), len(MATCH_BUCKETS))]
-
-    @property
-    def proposed(self) -> int:
-        return sum(b.proposed for b in self.buckets)
-
-    @property
-    def accepted(self) -> int:
-        return sum(b.accepted for b in self.buckets)
 
 
 class StepCosts:

@@ -13,18 +13,10 @@ from engine.test_invariance import (  # noqa: F401 - the tests, run here on this
     test_preemption,
     test_prefix_cache_on_and_warm,
 )
-from kvflow.config import ModelConfig
-from kvflow.executors.model_setup import load_model
 
 # Lookups from one token on, up to 8 drafts: speculation runs often, and rejects often, on a random model.
 SPECULATION = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 BUILT: list = []  # every LLM the tests built, to check that they did speculate
-
-
-@pytest.fixture(scope="module")
-def tiny_packed(tiny_checkpoints):
-    return load_model(ModelConfig(model=str(tiny_checkpoints["llama"]), device="cpu", mode="exact",
-                                  quantization="int4"))
 
 
 @pytest.fixture(scope="module")

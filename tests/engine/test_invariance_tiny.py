@@ -14,14 +14,6 @@ from engine.test_invariance import (  # noqa: F401 - the tests and their fixture
     test_preemption,
     test_prefix_cache_on_and_warm,
 )
-from kvflow.config import ModelConfig
-from kvflow.executors.model_setup import load_model
-
-
-@pytest.fixture(scope="module")
-def tiny_packed(tiny_checkpoints):
-    return load_model(ModelConfig(model=str(tiny_checkpoints["llama"]), device="cpu", mode="exact",
-                                  quantization="int4"))
 
 
 @pytest.fixture(scope="module")

@@ -26,14 +26,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 6}
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_checkpoints):
-    return load_model(ModelConfig(model=str(tiny_checkpoints["llama"]), device="cpu", mode="exact",
-                                  quantization="int4"))
-
-
-@pytest.fixture(scope="module")
-def reference(tiny) -> dict[str, list[int]]:
-    llm = make_llm(tiny, kv_cache_memory=16 << 20, enable_prefix_caching=False)
+def reference(tiny_packed) -> dict[str, list[int]]:
+    llm = make_llm(tiny_packed, kv_cache_memory=16 << 20, enable_prefix_caching=False)
     return {p: o.outputs[0].token_ids for p, o in zip(PROMPTS[:6], llm.generate(PROMPTS[:6], GREEDY))}
 
 
@@ -76,11 +70,11 @@ class OracleProposer:
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(pattern=st.lists(st.booleans(), min_size=1, max_size=12), seed=st.integers(0, 1000),
        chunk=st.sampled_from([16, 64, 2048]), blocks=st.sampled_from([None, 14]))
-def test_random_accept_reject_patterns_change_nothing(tiny, reference, pattern, seed, chunk, blocks):
-    llm = make_llm(tiny, kv_cache_memory=16 << 20, speculative_config=NGRAM, max_num_batched_tokens=chunk,
+def test_random_accept_reject_patterns_change_nothing(tiny_packed, reference, pattern, seed, chunk, blocks):
+    llm = make_llm(tiny_packed, kv_cache_memory=16 << 20, speculative_config=NGRAM, max_num_batched_tokens=chunk,
                    num_blocks=blocks, block_size=8)
     tok = llm.get_tokenizer()
-    oracle = OracleProposer([tok(p).input_ids + reference[p] for p in PROMPTS[:6]], pattern, tiny.arch.vocab_size,
+    oracle = OracleProposer([tok(p).input_ids + reference[p] for p in PROMPTS[:6]], pattern, tiny_packed.arch.vocab_size,
                             seed)
     spec = llm.engine.speculator
     spec.proposer = oracle
@@ -91,10 +85,10 @@ def test_random_accept_reject_patterns_change_nothing(tiny, reference, pattern, 
     assert_pool_whole_and_cache_true(llm, reference)
 
 
-def test_garbage_drafts_change_nothing_but_speed(tiny, reference):
-    llm = make_llm(tiny, kv_cache_memory=16 << 20, speculative_config=NGRAM)
+def test_garbage_drafts_change_nothing_but_speed(tiny_packed, reference):
+    llm = make_llm(tiny_packed, kv_cache_memory=16 << 20, speculative_config=NGRAM)
     rng = random.Random(7)
-    llm.engine.speculator.proposer.propose = lambda tokens, k: ([rng.randrange(tiny.arch.vocab_size)
+    llm.engine.speculator.proposer.propose = lambda tokens, k: ([rng.randrange(tiny_packed.arch.vocab_size)
                                                                   for _ in range(k)], 9)
     for acceptance_floor in range(2):  # run twice: the second time every prompt is in the prefix cache
         outs = llm.generate(PROMPTS[:6], GREEDY)
@@ -104,11 +98,11 @@ def test_garbage_drafts_change_nothing_but_speed(tiny, reference):
     assert_pool_whole_and_cache_true(llm, reference)
 
 
-def test_stop_strings_logprobs_and_penalties_see_the_verified_tokens(tiny):
+def test_stop_strings_logprobs_and_penalties_see_the_verified_tokens(tiny_packed):
     """Speculating or not, a stop string cuts at the same token, logprobs come per token, and a repetition
     penalty counts the kept drafts as output."""
-    plain = make_llm(tiny, kv_cache_memory=16 << 20)
-    spec = make_llm(tiny, kv_cache_memory=16 << 20,
+    plain = make_llm(tiny_packed, kv_cache_memory=16 << 20)
+    spec = make_llm(tiny_packed, kv_cache_memory=16 << 20,
                     speculative_config={**NGRAM, "prompt_lookup_min": 1, "prompt_lookup_max": 2})
     full = plain.generate(PROMPTS[4], GREEDY)[0].outputs[0]
     stop = full.text[len(full.text) // 2: len(full.text) // 2 + 3]
@@ -201,11 +195,11 @@ def test_config_is_checked():
             SpeculativeConfig.parse(bad)
 
 
-def test_seeded_sampling_is_the_same_with_speculation(tiny):
+def test_seeded_sampling_is_the_same_with_speculation(tiny_packed):
     """Each verified position is sampled with the noise plain decoding would use there: seeded outputs are
     identical, whatever the drafts (n-gram lookups that are mostly wrong on a random model)."""
-    plain = make_llm(tiny, kv_cache_memory=16 << 20)
-    spec = make_llm(tiny, kv_cache_memory=16 << 20, speculative_config=NGRAM)
+    plain = make_llm(tiny_packed, kv_cache_memory=16 << 20)
+    spec = make_llm(tiny_packed, kv_cache_memory=16 << 20, speculative_config=NGRAM)
     tok = spec.get_tokenizer()
     cases = [SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=40, ignore_eos=True),
              SamplingParams(temperature=0.5, top_k=20, seed=12, max_tokens=40, ignore_eos=True),
@@ -216,7 +210,7 @@ def test_seeded_sampling_is_the_same_with_speculation(tiny):
         a = plain.generate(PROMPTS[:4], params)
         # Drafts from the answers themselves, one in three spoiled: most are kept, some rejected.
         known = [tok(p).input_ids + c.token_ids for p, o in zip(PROMPTS, a) for c in o.outputs]
-        spec.engine.speculator.proposer = OracleProposer(known, [True, True, False], tiny.arch.vocab_size, i)
+        spec.engine.speculator.proposer = OracleProposer(known, [True, True, False], tiny_packed.arch.vocab_size, i)
         b = spec.generate(PROMPTS[:4], params)
         assert [[c.token_ids for c in o.outputs] for o in a] == [[c.token_ids for c in o.outputs] for o in b], params
     s = spec.engine.speculator
@@ -224,7 +218,7 @@ def test_seeded_sampling_is_the_same_with_speculation(tiny):
 
 
 def test_a_sampled_draft_is_kept_with_the_targets_probability(tiny_checkpoints, monkeypatch):
-    """Chi-square: the token after a verified draft follows the model's distribution. A tiny random Llama in
+    """Chi-square: the token after a verified draft follows the model's distribution. A tiny_packed random Llama in
     float32, 'hello world' at temperature 0.3: its likeliest first two tokens are drafted-and-checked, and
     the draft's keep rate, and the third token's frequencies over 4,000 seeded samples (those that began
     with that pair), are held against softmax(logits / 0.3) from transformers on the same weights."""
