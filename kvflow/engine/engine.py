@@ -27,6 +27,7 @@ from kvflow.layers.sampler import Sampler, SamplingRow, position_generator
 from kvflow.outputs import Logprob, RequestOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.spec.config import SpeculativeConfig
+from kvflow.spec.sources import build_source
 from kvflow.structured.compiler import GrammarCompiler
 from kvflow.structured.mask_prefetch import MaskPrefetcher, has_idle_core
 from kvflow.structured.sequence_grammar import SequenceGrammar
@@ -61,7 +62,10 @@ class LLMEngine:
         # Token masks overlap the forward only with a core to spare (structured/mask_prefetch.py).
         self.mask_prefetch = has_idle_core()
         spec = SpeculativeConfig.parse(config.speculative_config)
-        self.speculator = Speculator(spec) if spec is not None else None
+        self.speculator = None
+        if spec is not None:
+            source = build_source(spec, self.loaded, config.scheduler.max_num_seqs)
+            self.speculator = Speculator(spec, source)
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -168,6 +172,8 @@ class LLMEngine:
         for seq in group.sequences:
             self.scheduler.abort_request(seq.request.request_id)
             self.sequences.pop(seq.request.request_id, None)
+            if self.speculator is not None:
+                self.speculator.forget(seq.request)
             if seq.finish_reason is None:
                 seq.finish_reason = "abort"
         return group.output()
@@ -178,8 +184,10 @@ class LLMEngine:
     # ---- one step --------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        drafting = 0.0  # what proposing cost (a draft model's forwards): not part of the step it verifies
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self._may_speculate)
+            drafting = time.perf_counter() - t0
         sched = self.scheduler.schedule()
         masks = self._prefetch_masks(sched)
         step = self.runner.execute(sched)
@@ -196,7 +204,7 @@ class LLMEngine:
                 self._fail_group(self.sequences.get(request.request_id), exc, touched)
         self.num_steps += 1
         if self.speculator is not None:
-            self._learn_from_step(sched, sampled, time.perf_counter() - t0)
+            self._learn_from_step(sched, sampled, time.perf_counter() - t0 - drafting)
         if self._trace is not None:
             self._write_trace(sched, time.perf_counter() - t0)
         outputs = []
@@ -427,7 +435,7 @@ class LLMEngine:
         for seq in group.sequences:
             self.sequences.pop(seq.request.request_id, None)
             if self.speculator is not None:
-                self.speculator.forget(seq.request.request_id)
+                self.speculator.forget(seq.request)
 
     def _write_trace(self, sched: SchedulerOutput, seconds: float) -> None:
         decode = sum(1 for s in sched.scheduled if s.num_tokens == 1 and s.start >= s.request.num_prompt_tokens)

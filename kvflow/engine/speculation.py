@@ -16,18 +16,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-import numpy as np
-
 from kvflow.engine.request import Request
 from kvflow.spec.config import SpeculativeConfig
 from kvflow.spec.control import Acceptance, MatchAcceptance, StepCosts, best_num_drafts
-from kvflow.spec.ngram import NgramProposer
+from kvflow.spec.sources import DraftSource
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, source: DraftSource) -> None:
         self.config = config
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.source = source
         self.acceptance: dict[str, MatchAcceptance] = {}
         self.shared = MatchAcceptance()  # over every request: where a new request's estimates start
         self._judged: dict[str, tuple[Acceptance, Acceptance]] = {}  # this step's (own, shared) estimates
@@ -40,23 +38,39 @@ class Speculator:
         decoding = [r for r in running if r.num_computed_tokens == r.num_tokens - 1]
         for request in running:
             request.draft_token_ids = []
-        if not decoding:
+        candidates = [r for r in decoding if eligible(r)]
+        if not candidates:
             return
+        # A draft costs its verify row, and for a draft model its own forward as well.
         row_fraction = self.costs.row_fraction(len(decoding))
-        limit = self.config.num_speculative_tokens
-        for request in decoding:
-            if not eligible(request):
-                continue
-            draft, matched = self.proposer.propose(np.asarray(request.all_token_ids, dtype=np.int64), limit)
+        step_seconds = self.costs.step_seconds(len(decoding))
+        if step_seconds > 0:
+            row_fraction += self.source.seconds_per_draft() / step_seconds
+        limit, others = self.config.num_speculative_tokens, len(decoding) - 1
+
+        def how_many(request: Request, matched: int) -> int:
+            if not self.config.adaptive:
+                return limit
+            return best_num_drafts(self._own(request).of(matched).rate, row_fraction, others, limit)
+
+        if self.source.drafts_cost_compute:
+            limits = [how_many(r, 0) for r in candidates]
+            for request, k in zip(candidates, limits):
+                if k == 0:  # judged not worth a draft: the estimate recovers, so it tries again later
+                    self._judged[request.request_id] = (self._own(request).of(0), self.shared.of(0))
+        else:
+            limits = [limit] * len(candidates)
+        for request, (draft, matched) in zip(candidates, self.source.propose(candidates, limits)):
             if not draft:
                 continue
-            own = self.acceptance.get(request.request_id)
-            if own is None:
-                own = self.acceptance[request.request_id] = MatchAcceptance(self.shared)
-            acceptance = own.of(matched)
-            k = best_num_drafts(acceptance.rate, row_fraction, len(decoding) - 1, limit)
-            request.draft_token_ids = draft[:k]
-            self._judged[request.request_id] = (acceptance, self.shared.of(matched))
+            request.draft_token_ids = draft[: how_many(request, matched)]
+            self._judged[request.request_id] = (self._own(request).of(matched), self.shared.of(matched))
+
+    def _own(self, request: Request) -> MatchAcceptance:
+        own = self.acceptance.get(request.request_id)
+        if own is None:
+            own = self.acceptance[request.request_id] = MatchAcceptance(self.shared)
+        return own
 
     def settle(self, request_id: str, num_draft: int, num_kept: int) -> None:
         """What came of the request's proposal this step (num_draft 0: proposed, but none were worth it)."""
@@ -76,9 +90,11 @@ class Speculator:
         """A decode-only step's time: batch sequences, draft_rows rows beyond one per sequence."""
         self.costs.observe(batch, draft_rows, seconds)
 
-    def forget(self, request_id: str) -> None:
-        self.acceptance.pop(request_id, None)
-        self._judged.pop(request_id, None)
+    def forget(self, request: Request) -> None:
+        """The request has left the engine."""
+        self.acceptance.pop(request.request_id, None)
+        self._judged.pop(request.request_id, None)
+        self.source.finished(request)
 
 
 def kept_tokens(model_tokens: list[int], drafts: list[int]) -> list[int]:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-METHODS = ("ngram",)
+# ngram: lookup in the request's own tokens; suffix: that, and an index over recent requests
+# (spec/suffix.py); draft_model: a smaller model with the same tokenizer drafts greedily (spec/draft_model.py).
+METHODS = ("ngram", "suffix", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -14,6 +16,12 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 16  # the most draft tokens one sequence verifies per step
     prompt_lookup_min: int = 2  # the shortest suffix n-gram that may be looked up
     prompt_lookup_max: int = 16  # the longest (a longer match also says how far to trust the draft)
+    model: str | None = None  # draft_model: its name, path or alias (anything kvflow loads)
+    suffix_decoding_max_cached_requests: int = 1000  # suffix: how many finished requests the index holds
+    draft_kv_cache_memory: int = 256 << 20  # draft_model: bytes of its own KV cache
+    # False: every sequence drafts num_speculative_tokens each step, whatever it earns (for measurement);
+    # True: as many as pay (spec/control.py), 0 included.
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -22,6 +30,11 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.num_speculative_tokens: must be an integer in [1, 64]")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config.model: needed with method 'draft_model', and only there")
+        if self.suffix_decoding_max_cached_requests < 1 or self.draft_kv_cache_memory < 1:
+            raise ValueError("speculative_config: suffix_decoding_max_cached_requests and draft_kv_cache_memory "
+                             "must be positive")
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:

@@ -91,6 +91,11 @@ class StepCosts:
             self._theta = np.maximum(theta, [0.0, 1e-6, 1e-6])
         return self._theta
 
+    def step_seconds(self, batch: int) -> float:
+        """A plain decode step of this batch, as fitted (0 before any step was seen)."""
+        theta = self._fit()
+        return 0.0 if theta is None else float(theta[0] + theta[1] * batch)
+
     def row_fraction(self, batch: int) -> float:
         """What one more row costs, as a fraction of a plain decode step of this batch."""
         theta = self._fit()

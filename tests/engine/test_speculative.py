@@ -77,7 +77,7 @@ def test_random_accept_reject_patterns_change_nothing(tiny_packed, reference, pa
     oracle = OracleProposer([tok(p).input_ids + reference[p] for p in PROMPTS[:6]], pattern, tiny_packed.arch.vocab_size,
                             seed)
     spec = llm.engine.speculator
-    spec.proposer = oracle
+    spec.source.ngram = oracle
     spec.acceptance.clear()
     outs = llm.generate(PROMPTS[:6], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == [reference[p] for p in PROMPTS[:6]]
@@ -88,7 +88,7 @@ def test_random_accept_reject_patterns_change_nothing(tiny_packed, reference, pa
 def test_garbage_drafts_change_nothing_but_speed(tiny_packed, reference):
     llm = make_llm(tiny_packed, kv_cache_memory=16 << 20, speculative_config=NGRAM)
     rng = random.Random(7)
-    llm.engine.speculator.proposer.propose = lambda tokens, k: ([rng.randrange(tiny_packed.arch.vocab_size)
+    llm.engine.speculator.source.ngram.propose = lambda tokens, k: ([rng.randrange(tiny_packed.arch.vocab_size)
                                                                   for _ in range(k)], 9)
     for acceptance_floor in range(2):  # run twice: the second time every prompt is in the prefix cache
         outs = llm.generate(PROMPTS[:6], GREEDY)
@@ -210,7 +210,7 @@ def test_seeded_sampling_is_the_same_with_speculation(tiny_packed):
         a = plain.generate(PROMPTS[:4], params)
         # Drafts from the answers themselves, one in three spoiled: most are kept, some rejected.
         known = [tok(p).input_ids + c.token_ids for p, o in zip(PROMPTS, a) for c in o.outputs]
-        spec.engine.speculator.proposer = OracleProposer(known, [True, True, False], tiny_packed.arch.vocab_size, i)
+        spec.engine.speculator.source.ngram = OracleProposer(known, [True, True, False], tiny_packed.arch.vocab_size, i)
         b = spec.generate(PROMPTS[:4], params)
         assert [[c.token_ids for c in o.outputs] for o in a] == [[c.token_ids for c in o.outputs] for o in b], params
     s = spec.engine.speculator
@@ -237,7 +237,7 @@ def test_a_sampled_draft_is_kept_with_the_targets_probability(tiny_checkpoints, 
     # Draft the pair's second token after its first, always (in a batch of 64 the control would not):
     # kept exactly when the model samples it there.
     monkeypatch.setattr("kvflow.engine.speculation.best_num_drafts", lambda rate, cost, others, limit: limit)
-    spec.engine.speculator.proposer.propose = lambda tokens, k: ([pair[1]], 8) if tokens[-1] == pair[0] else ([], 0)
+    spec.engine.speculator.source.ngram.propose = lambda tokens, k: ([pair[1]], 8) if tokens[-1] == pair[0] else ([], 0)
     outs = spec.generate([{"prompt_token_ids": ids}] * n,
                          [SamplingParams(temperature=temperature, max_tokens=3, seed=s, ignore_eos=True)
                           for s in range(n)])

@@ -28,5 +28,13 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// GCC 12 treats ldtilecfg as not reading the configuration's bytes and drops the stores of its rows and
+// columns (only the palette survives): every tile is then unconfigured and the first tile load raises
+// SIGILL. The empty asm that takes the address and clobbers memory keeps those stores.
+inline void load_tile_config(const TileConfig& c) {
+  asm volatile("" : : "r"(&c) : "memory");
+  _tile_loadconfig(&c);
+}
+
 }  // namespace kvflow
 #endif

@@ -32,7 +32,7 @@ void configure_tiles(int tile_rows) {
   for (int t : {0, 1}) c.rows[t] = static_cast<uint8_t>(tile_rows), c.colsb[t] = 32;
   c.rows[2] = 8, c.colsb[2] = 64;
   for (int t : {4, 5}) c.rows[t] = static_cast<uint8_t>(tile_rows), c.colsb[t] = 64;
-  _tile_loadconfig(&c);
+  kvflow::load_tile_config(c);
 }
 
 // 4-bit codes of one block -> 8 rows of 64 unsigned bytes (row 2r: low nibbles of row r, 2r + 1: high).

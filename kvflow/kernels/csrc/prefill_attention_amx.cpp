@@ -39,7 +39,7 @@ void configure_tiles() {  // eight tiles of 16 rows x 64 bytes; the configuratio
     c.rows[t] = 16;
     c.colsb[t] = 64;
   }
-  _tile_loadconfig(&c);
+  kvflow::load_tile_config(c);
 }
 
 template <typename T>

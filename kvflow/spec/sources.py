@@ -1,0 +1,92 @@
+"""Where draft tokens come from, behind one interface: given the sequences about to decode and how many
+tokens each may draft, a guess per sequence and how far to trust it (the matched suffix's length for a
+lookup; 0 where there is no such measure). The Speculator (engine/speculation.py) decides how many of
+them to verify and learns from what the model kept.
+
+- PromptLookup ("ngram"): the request's own prompt and output (spec/ngram.py).
+- SuffixLookup ("suffix"): that, and an index over recently finished requests (spec/suffix.py).
+- DraftModel ("draft_model"): a smaller model run greedily on a KV cache of its own (spec/draft_model.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from kvflow.spec.config import SpeculativeConfig
+from kvflow.spec.ngram import NgramProposer
+from kvflow.spec.suffix import SuffixIndex
+
+if TYPE_CHECKING:
+    from kvflow.engine.request import Request
+    from kvflow.executors.model_setup import LoadedModel
+
+
+class DraftSource(Protocol):
+    # True where each draft token costs a forward of its own (a draft model): the Speculator then decides
+    # how many a sequence drafts before asking, not after.
+    drafts_cost_compute: bool
+
+    def propose(self, requests: list[Request], limits: list[int]) -> list[tuple[list[int], int]]:
+        """Per request, (at most limits[i] guessed tokens after its known ones, the match length)."""
+        ...
+
+    def seconds_per_draft(self) -> float:
+        """What drafting one token costs beyond verifying it (0 for lookups)."""
+        ...
+
+    def finished(self, request: Request) -> None:
+        """The request has left the engine (finished or aborted)."""
+        ...
+
+
+class PromptLookup:
+    drafts_cost_compute = False
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+
+    def propose(self, requests: list[Request], limits: list[int]) -> list[tuple[list[int], int]]:
+        return [self._own(r, k) for r, k in zip(requests, limits)]
+
+    def _own(self, request: Request, k: int) -> tuple[list[int], int]:
+        return self.ngram.propose(np.asarray(request.all_token_ids, dtype=np.int64), k)
+
+    def seconds_per_draft(self) -> float:
+        return 0.0
+
+    def finished(self, request: Request) -> None:
+        pass
+
+
+class SuffixLookup(PromptLookup):
+    """The longer of two matches: in the request's own tokens, and in recently finished requests (a tie
+    goes to the request's own, which is nearer)."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        super().__init__(config)
+        self.index = SuffixIndex(config.prompt_lookup_min, config.prompt_lookup_max,
+                                 max_requests=config.suffix_decoding_max_cached_requests)
+
+    def propose(self, requests: list[Request], limits: list[int]) -> list[tuple[list[int], int]]:
+        proposals = []
+        for request, k in zip(requests, limits):
+            tokens = np.asarray(request.all_token_ids, dtype=np.int64)
+            own = self.ngram.propose(tokens, k)
+            other = self.index.lookup(tokens, k)
+            proposals.append(other if other[1] > own[1] else own)
+        return proposals
+
+    def finished(self, request: Request) -> None:
+        self.index.record(request.all_token_ids)
+
+
+def build_source(config: SpeculativeConfig, target: LoadedModel, max_num_seqs: int) -> DraftSource:
+    if config.method == "ngram":
+        return PromptLookup(config)
+    if config.method == "suffix":
+        return SuffixLookup(config)
+    from kvflow.spec.draft_model import DraftModel  # loads a model: only when asked for
+
+    return DraftModel.load(config, target, max_num_seqs)
