@@ -42,6 +42,7 @@ class _Cached:
     token_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     pending: list[int] = field(default_factory=list)  # known tokens this step computes before drafting
+    verified: int = 0  # how many of token_ids were the sequence's known tokens when it last drafted
     prompt_logits_from = None  # the runner's view of a request: no prompt rows wanted
 
     @property
@@ -114,11 +115,14 @@ class DraftModel:
         tokens and k - 1 drafts (the last draft is never computed); None when the blocks do not fit."""
         known = request.all_token_ids
         cached = self.cached.pop(request.request_id, None) or _Cached(request.request_id)
-        agree = 0
-        for a, b in zip(cached.token_ids, known):
+        # A sequence's known tokens only grow, so what agreed last time still does: only the drafts
+        # computed since need checking (not the whole sequence, every step).
+        agree = min(cached.verified, len(cached.token_ids))
+        for a, b in zip(cached.token_ids[agree:], known[agree:]):
             if a != b:
                 break
             agree += 1
+        cached.verified = len(known)
         agree = min(agree, len(known) - 1)  # the last known token is computed again: its logits draft
         del cached.token_ids[agree:]
         need = -(-(len(known) + k - 1) // BLOCK_SIZE)

@@ -48,10 +48,10 @@ class PromptLookup:
         self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
 
     def propose(self, requests: list[Request], limits: list[int]) -> list[tuple[list[int], int]]:
-        return [self._own(r, k) for r, k in zip(requests, limits)]
+        return [self._best(np.asarray(r.all_token_ids, dtype=np.int64), k) for r, k in zip(requests, limits)]
 
-    def _own(self, request: Request, k: int) -> tuple[list[int], int]:
-        return self.ngram.propose(np.asarray(request.all_token_ids, dtype=np.int64), k)
+    def _best(self, tokens: np.ndarray, k: int) -> tuple[list[int], int]:
+        return self.ngram.propose(tokens, k)
 
     def seconds_per_draft(self) -> float:
         return 0.0
@@ -69,14 +69,10 @@ class SuffixLookup(PromptLookup):
         self.index = SuffixIndex(config.prompt_lookup_min, config.prompt_lookup_max,
                                  max_requests=config.suffix_decoding_max_cached_requests)
 
-    def propose(self, requests: list[Request], limits: list[int]) -> list[tuple[list[int], int]]:
-        proposals = []
-        for request, k in zip(requests, limits):
-            tokens = np.asarray(request.all_token_ids, dtype=np.int64)
-            own = self.ngram.propose(tokens, k)
-            other = self.index.lookup(tokens, k)
-            proposals.append(other if other[1] > own[1] else own)
-        return proposals
+    def _best(self, tokens: np.ndarray, k: int) -> tuple[list[int], int]:
+        own = self.ngram.propose(tokens, k)
+        other = self.index.lookup(tokens, k)
+        return other if other[1] > own[1] else own
 
     def finished(self, request: Request) -> None:
         self.index.record(request.all_token_ids)
