@@ -171,6 +171,9 @@ async def stream_request(
         res.prompt_len = usage.get("prompt_tokens") or res.prompt_len
         details = usage.get("prompt_tokens_details") or {}
         res.cached_tokens = details.get("cached_tokens")
+        timings = usage.get("kvflow_timings") or {}
+        res.draft_tokens = timings.get("spec_draft_tokens")
+        res.accepted_tokens = timings.get("spec_accepted_tokens")
     gaps = [b - a for a, b in itertools.pairwise(chunk_times)]
     res.itl = split_gaps(gaps, chunk_tokens, res.output_tokens)
     return res

@@ -20,6 +20,9 @@ class RequestResult:
     e2e: float = 0.0
     start: float = 0.0  # seconds after the benchmark began
     cached_tokens: int | None = None
+    # Speculative decoding, as the server's usage.kvflow_timings reports it (None: not reported).
+    draft_tokens: int | None = None
+    accepted_tokens: int | None = None
     text: str = ""
 
     @property
@@ -59,6 +62,12 @@ def summarize_results(results: list[RequestResult], duration: float, slos: dict[
     if slos:
         met = sum(meets_slos(r, slos) for r in results)
         summary.update({"slo_ms": dict(slos), "slo_met": met, "goodput": met / duration})
+    reported = [r for r in ok if r.draft_tokens is not None]
+    drafted = sum(r.draft_tokens for r in reported)
+    if drafted:
+        accepted = sum(r.accepted_tokens or 0 for r in reported)
+        summary["speculative"] = {"draft_tokens": drafted, "accepted_tokens": accepted,
+                                  "acceptance_rate": accepted / drafted}
     errors = sorted({r.error for r in results if r.error})
     if errors:
         summary["errors"] = errors[:10]
@@ -73,6 +82,8 @@ def request_record(r: RequestResult) -> dict[str, Any]:
         "prompt_len": r.prompt_len,
         "output_tokens": r.output_tokens,
         "cached_tokens": r.cached_tokens,
+        "draft_tokens": r.draft_tokens,
+        "accepted_tokens": r.accepted_tokens,
         "ttft_ms": r.ttft * 1000,
         "tpot_ms": None if r.tpot is None else r.tpot * 1000,
         "e2e_ms": r.e2e * 1000,
@@ -118,6 +129,10 @@ def format_summary(doc: dict[str, Any]) -> str:
         m = s[f"{name}_ms"]
         cells = ("-" if m[k] is None else f"{m[k]:.1f}" for k in ("mean", "p50", "p90", "p99"))
         lines.append(f"{name.upper():<8}" + "".join(f"{c:>10}" for c in cells))
+    if "speculative" in s:
+        sp = s["speculative"]
+        lines.append(f"{'speculative: accepted':<28}{sp['accepted_tokens']:>12}  of {sp['draft_tokens']} drafted "
+                     f"({100 * sp['acceptance_rate']:.0f}%)")
     if doc.get("turns"):
         lines.append(f"{'turn':>5}{'prompt tok':>12}{'cached tok':>12}{'TTFT ms':>10}")
         for t in doc["turns"]:

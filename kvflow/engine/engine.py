@@ -296,15 +296,18 @@ class LLMEngine:
     def _learn_from_step(self, sched: SchedulerOutput, sampled: dict[str, list[int]], seconds: float) -> None:
         """Acceptance per speculating sequence; and, for a step of decodes only, what it cost."""
         decode_only = True
-        draft_rows = 0
+        draft_rows = context = row_context = 0
         for s in sched.scheduled:
             n = len(s.draft_token_ids)
             draft_rows += n
+            length = s.start + s.num_tokens  # the tokens this step's rows of the sequence attend over, at most
+            context += length
+            row_context += n * length
             decode_only &= s.num_tokens == 1 + n and s.start >= s.request.num_prompt_tokens
             if s.sample and self._may_speculate(s.request):
                 self.speculator.settle(s.request_id, n, max(len(sampled.get(s.request_id, [])) - 1, 0))
         if decode_only and sched.scheduled:
-            self.speculator.observe_step(len(sched.scheduled), draft_rows, seconds)
+            self.speculator.observe_step(len(sched.scheduled), draft_rows, seconds, context, row_context)
 
     def _fail_group(self, seq: SequenceState | None, exc: Exception, touched: set[str]) -> None:
         """The engine failed on one request: it alone ends, with the error in its output; the others go on."""

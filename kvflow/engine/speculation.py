@@ -42,8 +42,9 @@ class Speculator:
         if not candidates:
             return
         # A draft costs its verify row, and for a draft model its own forward as well.
-        row_fraction = self.costs.row_fraction(len(decoding))
-        step_seconds = self.costs.step_seconds(len(decoding))
+        context = sum(r.num_tokens for r in decoding)
+        row_fraction = self.costs.row_fraction(len(decoding), context, context // len(decoding))
+        step_seconds = self.costs.step_seconds(len(decoding), context)
         if step_seconds > 0:
             row_fraction += self.source.seconds_per_draft() / step_seconds
         limit, others = self.config.num_speculative_tokens, len(decoding) - 1
@@ -59,6 +60,18 @@ class Speculator:
                 if k == 0:  # judged not worth a draft: the estimate recovers, so it tries again later
                     self._judged[request.request_id] = (self._own(request).of(0), self.shared.of(0))
         else:
+            # A lookup costs Python time each step: not asked where even the best-earning kind of match
+            # would get no draft verified (a big batch, a sequence whose drafts never pay).
+            paying = []
+            for request in candidates:
+                own = self._own(request)
+                if self.config.adaptive and best_num_drafts(own.best_rate(), row_fraction, others, limit) == 0:
+                    own.idle()
+                else:
+                    paying.append(request)
+            candidates = paying
+            if not candidates:
+                return
             limits = [limit] * len(candidates)
         for request, (draft, matched) in zip(candidates, self.source.propose(candidates, limits)):
             if not draft:
@@ -86,9 +99,11 @@ class Speculator:
         else:
             acceptance.idle()
 
-    def observe_step(self, batch: int, draft_rows: int, seconds: float) -> None:
-        """A decode-only step's time: batch sequences, draft_rows rows beyond one per sequence."""
-        self.costs.observe(batch, draft_rows, seconds)
+    def observe_step(self, batch: int, draft_rows: int, seconds: float, context: int = 0,
+                     draft_row_context: int = 0) -> None:
+        """A decode-only step's time: batch sequences over `context` tokens in all, draft_rows rows beyond
+        one per sequence (draft_row_context: their sequences' lengths, summed over the rows)."""
+        self.costs.observe(batch, draft_rows, seconds, context, draft_row_context)
 
     def forget(self, request: Request) -> None:
         """The request has left the engine."""

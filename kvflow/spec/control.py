@@ -51,28 +51,42 @@ class MatchAcceptance:
         self.buckets = [Acceptance(rate=b.rate) if start else Acceptance()
                         for b in (start.buckets if start else [None] * (len(MATCH_BUCKETS) + 1))]
 
+    def best_rate(self) -> float:
+        """The highest estimate over the buckets: what the best draft this sequence could get has earned."""
+        return max(b.rate for b in self.buckets)
+
+    def idle(self) -> None:
+        """A step without drafts: every bucket drifts back toward the prior (so it probes again)."""
+        for b in self.buckets:
+            b.idle()
+
     def of(self, matched: int) -> Acceptance:
         return self.buckets[next((i for i, top in enumerate(MATCH_BUCKETS) if matched <= top), len(MATCH_BUCKETS))]
 
 
 class StepCosts:
-    """A decode step's time, learned as fixed + per_sequence * sequences + per_row * draft_rows: a least-
-    squares fit over the decode-only steps seen, older ones weighing less. A draft row costs its matmul
-    rows; a sequence also its attention's KV reads. Before the steps vary enough to separate the terms,
-    the fit leans on `prior_row_fraction` (a row as a fraction of a one-sequence step)."""
+    """A decode step's time, learned as fixed + per_sequence * sequences + per_context * context + per_row *
+    draft_rows + per_row_context * draft_row_context: a least-squares fit over the decode-only steps seen,
+    older ones weighing less. `context` is the tokens the step's sequences attend over (their KV reads),
+    `draft_row_context` the same summed over the draft rows (a row's attention compute): without them a
+    batch at depth 2,000 and one at depth 300 look alike, and a row's cost learned on one misleads the
+    other. Before the steps vary enough to separate the terms, the fit leans on `prior_row_fraction` (a
+    row as a fraction of a one-sequence step). Contexts are counted in thousands of tokens."""
 
     DECAY = 0.98  # weight of the history, per observed step
     PRIOR_WEIGHT = 1e-4  # how strongly the fit leans on the prior split
+    TERMS = 5
 
     def __init__(self, prior_row_fraction: float = 0.15) -> None:
         self.prior_row_fraction = prior_row_fraction
-        self._xx = np.zeros((3, 3))
-        self._xt = np.zeros(3)
+        self._xx = np.zeros((self.TERMS, self.TERMS))
+        self._xt = np.zeros(self.TERMS)
         self._theta: np.ndarray | None = None
         self.steps = 0
 
-    def observe(self, batch: int, draft_rows: int, seconds: float) -> None:
-        x = np.array([1.0, float(batch), float(draft_rows)])
+    def observe(self, batch: int, draft_rows: int, seconds: float, context: int = 0,
+                draft_row_context: int = 0) -> None:
+        x = np.array([1.0, float(batch), context / 1000, float(draft_rows), draft_row_context / 1000])
         self._xx = self.DECAY * self._xx + np.outer(x, x)
         self._xt = self.DECAY * self._xt + x * seconds
         self.steps += 1
@@ -83,25 +97,37 @@ class StepCosts:
             return None
         if self._theta is None:
             # The prior: a one-sequence step's mean time split evenly into fixed and per-sequence parts,
-            # and a row at prior_row_fraction of it; the data moves the fit away from it as it varies.
+            # a row at prior_row_fraction of it, nothing per context; the data moves the fit away from it.
             mean = self._xt[0] / max(self._xx[0, 0], 1e-12)
-            prior = np.array([mean / 2, mean / 2, self.prior_row_fraction * mean])
+            prior = np.array([mean / 2, mean / 2, 0.0, self.prior_row_fraction * mean, 0.0])
             scale = self.PRIOR_WEIGHT * max(self._xx[0, 0], 1.0)
-            theta = np.linalg.solve(self._xx + scale * np.eye(3), self._xt + scale * prior)
-            self._theta = np.maximum(theta, [0.0, 1e-6, 1e-6])
+            a, b = self._xx + scale * np.eye(self.TERMS), self._xt + scale * prior
+            # No cost is negative. Where terms move together (a batch of one, at one depth), an
+            # unconstrained fit may trade a negative term against a positive one; clamping one of them
+            # afterwards would skew every prediction. So a term that comes out negative is dropped (held
+            # at 0) and the rest refitted, until none is (an active-set non-negative fit).
+            active = list(range(self.TERMS))
+            while True:
+                theta = np.zeros(self.TERMS)
+                theta[active] = np.linalg.solve(a[np.ix_(active, active)], b[active])
+                if theta.min() >= 0 or len(active) == 1:
+                    break
+                active.remove(int(np.argmin(theta)))
+            self._theta = np.maximum(theta, [0.0, 1e-6, 0.0, 1e-6, 0.0])
         return self._theta
 
-    def step_seconds(self, batch: int) -> float:
-        """A plain decode step of this batch, as fitted (0 before any step was seen)."""
+    def step_seconds(self, batch: int, context: int = 0) -> float:
+        """A plain decode step of this batch (over `context` tokens in all), as fitted (0 before any step)."""
         theta = self._fit()
-        return 0.0 if theta is None else float(theta[0] + theta[1] * batch)
+        return 0.0 if theta is None else float(theta[0] + theta[1] * batch + theta[2] * context / 1000)
 
-    def row_fraction(self, batch: int) -> float:
-        """What one more row costs, as a fraction of a plain decode step of this batch."""
+    def row_fraction(self, batch: int, context: int = 0, row_context: int = 0) -> float:
+        """What one more row (of a sequence `row_context` tokens long) costs, as a fraction of a plain
+        decode step of this batch."""
         theta = self._fit()
         if theta is None:
             return self.prior_row_fraction / batch  # nothing measured yet
-        return float(theta[2] / (theta[0] + theta[1] * batch))
+        return float((theta[3] + theta[4] * row_context / 1000) / self.step_seconds(batch, context))
 
 
 def best_num_drafts(rate: float, row_fraction: float, others: int, limit: int) -> int:

@@ -21,14 +21,16 @@ class SuffixIndex:
                  per_key: int = 16) -> None:
         self.key_len, self.max_n = max(key_len, 1), max(max_n, key_len, 1)
         self.max_requests, self.max_tokens, self.per_key = max_requests, max_tokens, per_key
-        self.docs: OrderedDict[int, np.ndarray] = OrderedDict()  # recorded token sequences, oldest first
+        # Recorded token sequences, oldest first, as lists: a lookup compares a few tokens at each of up to
+        # per_key places, where numpy's per-call cost would be most of the work.
+        self.docs: OrderedDict[int, list[int]] = OrderedDict()
         self.positions: dict[tuple[int, ...], deque[tuple[int, int]]] = {}  # key -> (doc, end), oldest first
         self.num_tokens = 0
         self._next_doc = 0
 
     def record(self, token_ids: list[int]) -> None:
         """File a finished request's tokens (prompt and output)."""
-        tokens = np.asarray(token_ids, dtype=np.int64)
+        tokens = list(token_ids)
         if len(tokens) <= self.key_len or len(tokens) > self.max_tokens:
             return
         while self.num_tokens + len(tokens) > self.max_tokens or len(self.docs) >= self.max_requests:
@@ -49,7 +51,8 @@ class SuffixIndex:
         n = self.key_len
         if len(tokens) < n or k < 1 or not self.positions:
             return [], 0
-        candidates = self.positions.get(tuple(tokens[-n:].tolist()))
+        tail = tokens[-self.max_n:].tolist()
+        candidates = self.positions.get(tuple(tail[-n:]))
         if not candidates:
             return [], 0
         best_len, best = 0, None
@@ -57,26 +60,26 @@ class SuffixIndex:
             source = self.docs.get(doc)
             if source is None:
                 continue
-            matched = self._match_length(tokens, source, end)
+            matched = self._match_length(tail, source, end)
             if matched > best_len:
                 best_len, best = matched, (source, end)
         if best is None:
             return [], 0
         source, end = best
-        return source[end + 1 : end + 1 + k].tolist(), best_len
+        return source[end + 1 : end + 1 + k], best_len
 
-    def _match_length(self, tokens: np.ndarray, source: np.ndarray, end: int) -> int:
-        """How many tokens before and at source[end] equal the end of `tokens` (at most max_n)."""
-        longest = min(self.max_n, len(tokens), end + 1)
-        a = tokens[len(tokens) - longest:][::-1]
-        b = source[end + 1 - longest : end + 1][::-1]
-        differ = np.flatnonzero(a != b)
-        return int(differ[0]) if differ.size else longest
+    @staticmethod
+    def _match_length(tail: list[int], source: list[int], end: int) -> int:
+        """How many tokens before and at source[end] equal the end of `tail` (the sequence's last max_n)."""
+        longest = min(len(tail), end + 1)
+        matched = 0
+        while matched < longest and tail[-1 - matched] == source[end - matched]:
+            matched += 1
+        return matched
 
-    def _keys(self, tokens: np.ndarray) -> list[tuple[int, ...]]:
+    def _keys(self, tokens: list[int]) -> list[tuple[int, ...]]:
         n = self.key_len
-        values = tokens.tolist()
-        return [tuple(values[i + 1 - n : i + 1]) if i + 1 >= n else () for i in range(len(values))]
+        return [tuple(tokens[i + 1 - n : i + 1]) if i + 1 >= n else () for i in range(len(tokens))]
 
     def _drop_oldest(self) -> None:
         doc, tokens = self.docs.popitem(last=False)

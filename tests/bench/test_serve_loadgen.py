@@ -68,7 +68,9 @@ def make_app() -> FastAPI:
             yield chunk(" tok" * per_chunk)
         if send_usage:
             usage = {"prompt_tokens": len(words), "completion_tokens": n_chunks * per_chunk,
-                     "prompt_tokens_details": {"cached_tokens": cached}}
+                     "prompt_tokens_details": {"cached_tokens": cached},
+                     # as a speculating kvflow server reports it: n drafted, half of them kept
+                     "kvflow_timings": {"spec_draft_tokens": n, "spec_accepted_tokens": n // 2}}
             yield "data: " + json.dumps({"id": "x", "choices": [], "usage": usage}) + "\n\n"
         yield "data: [DONE]\n\n"
 
@@ -144,7 +146,10 @@ def test_timings_counts_throughput_and_goodput(base_url, tmp_path):
     assert s["slo_met"] <= 4
     assert s["slo_met"] == sum(r["ttft_ms"] <= 100 for r in reqs)
     assert s["goodput"] == pytest.approx(s["slo_met"] / s["duration_s"])
-    assert "TTFT" in serve_report.format_summary(doc)
+    assert s["speculative"] == {"draft_tokens": 48, "accepted_tokens": 24, "acceptance_rate": 0.5}
+    assert [(r["draft_tokens"], r["accepted_tokens"]) for r in reqs] == [(6, 3)] * 8
+    printed = serve_report.format_summary(doc)
+    assert "TTFT" in printed and "24  of 48 drafted (50%)" in printed
 
 
 def test_multi_token_chunks_use_usage_and_missing_usage_counts_chunks(base_url):
@@ -158,6 +163,7 @@ def test_multi_token_chunks_use_usage_and_missing_usage_counts_chunks(base_url):
     doc = serve.run_serve(config(base_url, model="fake-nousage", num_prompts=2, output_len=5))
     assert [r["output_tokens"] for r in doc["requests"]] == [5, 5]
     assert [r["cached_tokens"] for r in doc["requests"]] == [None, None]
+    assert "speculative" not in doc["summary"]  # nothing reported, nothing claimed
 
 
 def test_chat_endpoint(base_url):

@@ -5,6 +5,7 @@ task keeps most drafts; the adaptive control and the config."""
 from __future__ import annotations
 
 import random
+import types
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 
 from kvflow import SamplingParams
 from kvflow.config import ModelConfig
-from kvflow.engine.speculation import kept_tokens
+from kvflow.engine.speculation import Speculator, kept_tokens
 from kvflow.executors.model_setup import load_model
 from kvflow.spec.config import SpeculativeConfig
 from kvflow.spec.control import Acceptance, StepCosts, best_num_drafts
@@ -184,6 +185,56 @@ def test_the_control_backs_off_when_rows_cost_more_than_they_earn():
         costs.observe(batch, rows, (0.002 + 0.004 * batch + 0.0015 * rows) * rng.uniform(0.98, 1.02))
     for batch in (1, 4, 8):
         assert costs.row_fraction(batch) == pytest.approx(0.0015 / (0.002 + 0.004 * batch), rel=0.1)
+    # With depth: 1 ms a sequence + 2 ms per 1,000 tokens attended, a row 0.5 ms + 0.5 ms per 1,000 tokens of
+    # its sequence. A batch of 8 at depth 300 and one at depth 2,000 price a row differently.
+    costs = StepCosts()
+    for _ in range(400):
+        batch, rows, depth = rng.randint(1, 8), rng.randint(0, 40), rng.choice([100, 300, 1000, 2000, 4000])
+        seconds = 0.002 + 0.001 * batch + 0.002 * batch * depth / 1000 + rows * (0.0005 + 0.0005 * depth / 1000)
+        costs.observe(batch, rows, seconds * rng.uniform(0.98, 1.02), batch * depth, rows * depth)
+    for depth in (300, 2000):
+        plain = 0.002 + 0.008 + 0.016 * depth / 1000
+        assert costs.step_seconds(8, 8 * depth) == pytest.approx(plain, rel=0.05)
+        assert costs.row_fraction(8, 8 * depth, depth) == pytest.approx((0.0005 + 0.0005 * depth / 1000) / plain,
+                                                                         rel=0.1)
+
+
+class CountingLookup:
+    drafts_cost_compute = False
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    def propose(self, requests, limits):
+        self.asked += [r.request_id for r in requests]
+        return [([1, 2, 3], 8) for _ in requests]
+
+    def seconds_per_draft(self) -> float:
+        return 0.0
+
+    def finished(self, request) -> None:
+        pass
+
+
+def test_a_lookup_is_not_asked_where_no_draft_would_pay():
+    """Looking up costs Python time every step: a big batch whose rows cost more than any draft earns
+    asks the source nothing, and a lone sequence with cheap rows still drafts."""
+    source = CountingLookup()
+    speculator = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4), source)
+    for batch in (1, 8):
+        for _ in range(50):  # 1 ms a step + 1 ms a sequence + 0.8 ms a draft row
+            speculator.observe_step(batch, 4, 0.001 + 0.001 * batch + 0.0032)
+            speculator.observe_step(batch, 0, 0.001 + 0.001 * batch)
+
+    def decoding(i: int):
+        return types.SimpleNamespace(request_id=f"r{i}", num_computed_tokens=9, num_tokens=10, draft_token_ids=None)
+
+    batch = [decoding(i) for i in range(8)]
+    speculator.propose(batch, lambda r: True)
+    assert source.asked == [] and all(r.draft_token_ids == [] for r in batch)
+    alone = decoding(0)
+    speculator.propose([alone], lambda r: True)
+    assert source.asked == ["r0"] and alone.draft_token_ids  # cheap rows at batch 1: it drafts
 
 
 def test_config_is_checked():

@@ -188,8 +188,13 @@ inline void weighted_values(const T* v_head, const int64_t* offsets, int n, cons
   v::vf acc[J][V];
   for (int j = 0; j < J; ++j)
     for (int k = 0; k < V; ++k) acc[j][k] = v::zero();
+  constexpr int kLines = (D * static_cast<int>(sizeof(T)) + 63) / 64;
   for (int i = 0; i < n; ++i) {
     const T* row = v_head + offsets[i];
+    if (i + kPrefetchAhead < n) {  // fetched here, not while scoring: a chunk's K rows would evict them first
+      const char* ahead = reinterpret_cast<const char*>(v_head + offsets[i + kPrefetchAhead]);
+      for (int line = 0; line < kLines; ++line) __builtin_prefetch(ahead + 64 * line, 0, 3);
+    }
     v::vf x[V];
     for (int k = 0; k < V; ++k) x[k] = v::load(row + W * k);
     for (int j = 0; j < J; ++j) {
@@ -252,16 +257,12 @@ void attend_kv_head(const float* q, const T* k_cache, const T* v_cache, const in
   float* sc_group = scores + kv * g * kMaxChunk;
   int p = 0;
   for (; p + P <= n; p += P) {
-    {  // fetch K rows ahead, and this chunk's V rows for the weighted sum
+    {  // fetch K rows ahead (V rows: weighted_values fetches its own)
       constexpr int kLines = (D * static_cast<int>(sizeof(T)) + 63) / 64;
       for (int i = 0; i < P; ++i) {
         const int ahead = p + i + kPrefetchAhead < n ? p + i + kPrefetchAhead : p + i;
         const char* k_next = reinterpret_cast<const char*>(k_head + offsets[ahead]);
-        const char* v_row = reinterpret_cast<const char*>(v_head + offsets[p + i]);
-        for (int line = 0; line < kLines; ++line) {
-          __builtin_prefetch(k_next + 64 * line, 0, 3);
-          __builtin_prefetch(v_row + 64 * line, 0, 3);
-        }
+        for (int line = 0; line < kLines; ++line) __builtin_prefetch(k_next + 64 * line, 0, 3);
       }
     }
     v::vf k[P][V];

@@ -1,0 +1,106 @@
+"""A/B of the CPU paged attention kernel between two versions of its sources, in one process.
+
+The working tree's csrc/ and the csrc/ of a git revision are each built into a library of their own (this
+CPU's tier, the same flags as kernels/build.py); both attend over the same caches (SmolLM2-135M's heads:
+9 query heads, 3 KV heads of 64, float16, 30 layers, blocks on huge pages in a random order), calls
+alternated, medians printed, and the outputs compared bit for bit.
+
+    python benchmarks/ab_attention_source.py --base HEAD [--depth 1900] [--rows 1] [--threads 2] [--rounds 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from bench_cpu_attention import BLOCK, HEAD_DIM, HEADS, KV_HEADS, LAYERS, SCALE, step
+
+from kvflow.kernels import abi, build, cpu_features, paged_attention
+from kvflow.kernels.huge_pages import huge_page_zeros
+
+REPO = Path(__file__).resolve().parent.parent
+CSRC_IN_REPO = build.CSRC.relative_to(REPO)
+
+
+def library(csrc: Path, out: Path):
+    tier = cpu_features.isa_tier()
+    cmd = [build.compiler(), *build.compile_flags(tier), *[str(csrc / s) for s in build.SOURCES], "-o", str(out)]
+    subprocess.run(cmd, check=True)
+    return abi.bind(ctypes.CDLL(str(out)))
+
+
+def sources_at(revision: str, into: Path) -> Path:
+    into.mkdir(parents=True)
+    names = subprocess.run(["git", "-C", str(REPO), "ls-tree", "--name-only", f"{revision}:{CSRC_IN_REPO}"],
+                           check=True, capture_output=True, text=True).stdout.split()
+    for name in names:
+        blob = subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:{CSRC_IN_REPO}/{name}"], check=True,
+                              capture_output=True).stdout
+        (into / name).write_bytes(blob)
+    return into
+
+
+def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    out = huge_page_zeros(t.numel() * t.element_size()).view(t.dtype).view(t.shape)
+    return out.copy_(t)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", default="HEAD", help="the git revision to compare the working tree against")
+    ap.add_argument("--depth", type=int, default=1900)
+    ap.add_argument("--rows", type=int, default=1, help="query rows of the one sequence (1: decode)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=40)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    work = Path(tempfile.mkdtemp(prefix="kvflow-ab-"))
+    libs = {args.base: library(sources_at(args.base, work / "base"), work / "base.so"),
+            "working tree": library(build.CSRC, work / "tree.so")}
+    blocks = (args.depth + args.rows) // BLOCK + 2
+    caches = [tuple(on_huge_pages(torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM).half()) for _ in range(2))
+              for _ in range(LAYERS)]
+    table = torch.randperm(blocks).to(torch.int32)[None]
+    pos = torch.arange(args.depth, args.depth + args.rows)
+    slots = table[0, pos // BLOCK].long() * BLOCK + pos % BLOCK
+    meta, _keep = step([args.rows], [args.depth + args.rows], slots, table)
+    layers = [paged_attention.layer_struct(k, v, HEADS, SCALE) for k, v in caches]
+    q = torch.randn(args.rows, HEADS, HEAD_DIM)
+    k, v = torch.randn(args.rows, KV_HEADS, HEAD_DIM), torch.randn(args.rows, KV_HEADS, HEAD_DIM)
+    rows = abi.KvflowRows(q=q.data_ptr(), q_stride=q.stride(0), k=k.data_ptr(), k_stride=k.stride(0),
+                          v=v.data_ptr(), v_stride=v.stride(0))
+    outs = {name: torch.empty(args.rows, HEADS, HEAD_DIM) for name in libs}
+
+    def attend(name: str) -> float:
+        t = time.perf_counter()
+        for layer in layers:
+            libs[name].kvflow_paged_attention(layer=ctypes.byref(layer), step=ctypes.byref(meta),
+                                              rows=ctypes.byref(rows), out=outs[name].data_ptr(),
+                                              out_stride=outs[name].stride(0), all_rows=int(args.rows > 1),
+                                              num_threads=args.threads)
+        return time.perf_counter() - t
+
+    names = list(libs)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for name in names * 3:  # warm up
+        attend(name)
+    for r in range(args.rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            times[name].append(attend(name))
+    base, tree = (statistics.median(times[n]) * 1e3 for n in names)
+    same = torch.equal(outs[names[0]], outs[names[1]])
+    print(f"paged attention, {LAYERS} layers, depth {args.depth}, {args.rows} row(s), {args.threads} threads, "
+          f"CPU {cpu_features.cpu_name()} (tier {cpu_features.isa_tier()}): {args.base} {base:.3f} ms, "
+          f"working tree {tree:.3f} ms, ratio {base / tree:.2f}x; outputs {'bitwise equal' if same else 'DIFFER'}")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
