@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 
 import torch
-from bench_cpu_attention import BLOCK, HEAD_DIM, HEADS, KV_HEADS, LAYERS, SCALE, step
+from bench_cpu_attention import HEAD_DIM, HEADS, LAYERS, DecodeSetup
 
-from kvflow.kernels import abi, build, cpu_features, paged_attention
+from kvflow.kernels import abi, build, cpu_features
 from kvflow.kernels.huge_pages import huge_page_zeros
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,9 +30,7 @@ CSRC_IN_REPO = build.CSRC.relative_to(REPO)
 
 
 def library(csrc: Path, out: Path):
-    tier = cpu_features.isa_tier()
-    cmd = [build.compiler(), *build.compile_flags(tier), *[str(csrc / s) for s in build.SOURCES], "-o", str(out)]
-    subprocess.run(cmd, check=True)
+    build.compile_library(build.compiler(), cpu_features.isa_tier(), csrc, out)
     return abi.bind(ctypes.CDLL(str(out)))
 
 
@@ -64,18 +62,10 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="kvflow-ab-"))
     libs = {args.base: library(sources_at(args.base, work / "base"), work / "base.so"),
             "working tree": library(build.CSRC, work / "tree.so")}
-    blocks = (args.depth + args.rows) // BLOCK + 2
-    caches = [tuple(on_huge_pages(torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM).half()) for _ in range(2))
-              for _ in range(LAYERS)]
-    table = torch.randperm(blocks).to(torch.int32)[None]
-    pos = torch.arange(args.depth, args.depth + args.rows)
-    slots = table[0, pos // BLOCK].long() * BLOCK + pos % BLOCK
-    meta, _keep = step([args.rows], [args.depth + args.rows], slots, table)
-    layers = [paged_attention.layer_struct(k, v, HEADS, SCALE) for k, v in caches]
-    q = torch.randn(args.rows, HEADS, HEAD_DIM)
-    k, v = torch.randn(args.rows, KV_HEADS, HEAD_DIM), torch.randn(args.rows, KV_HEADS, HEAD_DIM)
-    rows = abi.KvflowRows(q=q.data_ptr(), q_stride=q.stride(0), k=k.data_ptr(), k_stride=k.stride(0),
-                          v=v.data_ptr(), v_stride=v.stride(0))
+    setup = DecodeSetup(args.depth, args.rows, place=on_huge_pages)
+    layers, meta = setup.layers, setup.meta
+    rows = abi.KvflowRows(q=setup.q.data_ptr(), q_stride=setup.q.stride(0), k=setup.k.data_ptr(),
+                          k_stride=setup.k.stride(0), v=setup.v.data_ptr(), v_stride=setup.v.stride(0))
     outs = {name: torch.empty(args.rows, HEADS, HEAD_DIM) for name in libs}
 
     def attend(name: str) -> float:

@@ -38,20 +38,31 @@ def step(query_lens: list[int], seq_lens: list[int], slots: torch.Tensor, tables
     return paged_attention.step_struct(slots, starts, lens, tables), keep
 
 
+class DecodeSetup:
+    """One sequence's `rows` new query rows at `depth` cached positions, in each of 30 layers' caches
+    (float16, blocks in a random order), with the structs the kernel reads; `place` puts each cache
+    tensor where it should live (as it is, or on huge pages)."""
+
+    def __init__(self, depth: int, rows: int = 1, place=lambda t: t) -> None:
+        blocks = (depth + rows) // BLOCK + 2
+        self.caches = [tuple(place(torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM).half()) for _ in range(2))
+                       for _ in range(LAYERS)]
+        table = torch.randperm(blocks).to(torch.int32)[None]
+        pos = torch.arange(depth, depth + rows)
+        slots = table[0, pos // BLOCK].long() * BLOCK + pos % BLOCK
+        self.meta, self._keep = step([rows], [depth + rows], slots, table)
+        self.layers = [paged_attention.layer_struct(k, v, HEADS, SCALE) for k, v in self.caches]
+        self.q = torch.randn(rows, HEADS, HEAD_DIM)
+        self.k, self.v = torch.randn(rows, KV_HEADS, HEAD_DIM), torch.randn(rows, KV_HEADS, HEAD_DIM)
+
+
 def decode_step_ms(depth: int, reps: int) -> float:
-    blocks = depth // BLOCK + 2
-    caches = [(torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM).half(), torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM).half())
-              for _ in range(LAYERS)]
-    table = torch.randperm(blocks).to(torch.int32)[None]
-    slot = torch.tensor([int(table[0, depth // BLOCK]) * BLOCK + depth % BLOCK])
-    meta, _keep = step([1], [depth + 1], slot, table)
-    layers = [paged_attention.layer_struct(k_cache, v_cache, HEADS, SCALE) for k_cache, v_cache in caches]
-    q, k, v = torch.randn(1, HEADS, HEAD_DIM), torch.randn(1, KV_HEADS, HEAD_DIM), torch.randn(1, KV_HEADS, HEAD_DIM)
+    setup = DecodeSetup(depth)
     out = torch.empty(1, HEADS, HEAD_DIM)
 
     def decode() -> None:
-        for layer in layers:
-            paged_attention.store_and_attend(layer, meta, q, k, v, out)
+        for layer in setup.layers:
+            paged_attention.store_and_attend(layer, setup.meta, setup.q, setup.k, setup.v, out)
 
     return time_round_robin({"step": decode}, reps)["step"] * 1e-3
 

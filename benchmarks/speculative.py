@@ -27,7 +27,7 @@ from results_file import publish, table_section
 from kvflow import LLM, SamplingParams
 from kvflow.config import ModelConfig
 from kvflow.executors.model_setup import load_model
-from kvflow.kernels.cpu_features import cpu_name
+from kvflow.kernels.cpu_features import cpu_name, isa_tier
 
 WORDS = ["order", "price", "total", "item", "customer", "invoice", "discount", "tax", "line", "stock",
          "report", "cache", "record", "entry", "window", "budget", "ledger", "refund", "batch", "queue"]
@@ -148,10 +148,11 @@ def main() -> None:
         rows.append(f"| {label} | {unit} | {p:.1f} | {s:.1f} | {s / p:.2f}x | {'yes' if same else 'NO'} | "
                     f"{kept} of {drafted} ({rate}) |")
         print(rows[-1], flush=True)
-    flags = (f" --draft-model {args.draft_model}" if args.draft_model else "") + (" --fixed" if args.fixed else "")
+    flags = ((f" --draft-model {args.draft_model}" if args.draft_model else "") + (" --fixed" if args.fixed else "")
+             + (f' --only "{args.only}"' if args.only else ""))
     intro = (f"`python benchmarks/speculative.py --method {args.method}{flags} --repeats {args.repeats} "
              f"--max-tokens {args.max_tokens} --k {args.k}`, {time.strftime('%Y-%m-%d %H:%M')}, CPU: {cpu_name()} "
-             f"({platform.machine()}), {args.threads} threads, default model, dtype auto, greedy. Median over runs "
+             f"({platform.machine()}, tier {isa_tier()}), {args.threads} threads, default model, dtype auto, greedy. Median over runs "
              "alternated plain / speculative (ABBA), on one loaded model, each repeat on new prompts (warmed into "
              "the prefix cache). Goals (issue 20): agent edit >= 2.5x, story >= 0.97x, agent x8 >= 1.5x, random x8 "
              ">= 0.97x; output identical.")

@@ -54,25 +54,23 @@ class Speculator:
                 return limit
             return best_num_drafts(self._own(request).of(matched).rate, row_fraction, others, limit)
 
-        if self.source.drafts_cost_compute:
-            limits = [how_many(r, 0) for r in candidates]
-            for request, k in zip(candidates, limits):
-                if k == 0:  # judged not worth a draft: the estimate recovers, so it tries again later
-                    self._judged[request.request_id] = (self._own(request).of(0), self.shared.of(0))
-        else:
-            # A lookup costs Python time each step: not asked where even the best-earning kind of match
-            # would get no draft verified (a big batch, a sequence whose drafts never pay).
-            paying = []
-            for request in candidates:
-                own = self._own(request)
-                if self.config.adaptive and best_num_drafts(own.best_rate(), row_fraction, others, limit) == 0:
-                    own.idle()
-                else:
-                    paying.append(request)
-            candidates = paying
-            if not candidates:
-                return
-            limits = [limit] * len(candidates)
+        # Before asking the source: a sequence where even its best-earning drafts would get none verified
+        # (a big batch, drafts that never pay) is not asked (a lookup costs Python time, a draft model
+        # forwards), and its estimates recover so that it tries again later. A draft model drafts as many
+        # as pay (its drafts carry no match length); a lookup gets the most, cut once its match is known.
+        paying, limits = [], []
+        for request in candidates:
+            own = self._own(request)
+            best = own.of(0).rate if self.source.drafts_cost_compute else own.best_rate()
+            k = best_num_drafts(best, row_fraction, others, limit) if self.config.adaptive else limit
+            if k == 0:
+                own.idle()
+                continue
+            paying.append(request)
+            limits.append(k if self.source.drafts_cost_compute else limit)
+        candidates = paying
+        if not candidates:
+            return
         for request, (draft, matched) in zip(candidates, self.source.propose(candidates, limits)):
             if not draft:
                 continue

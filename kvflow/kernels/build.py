@@ -81,18 +81,22 @@ def _library_path(cxx: str, tier: str, openmp: bool) -> Path:
     return cache_dir() / f"libkvflow_cpu-{tier}{suffix}-{digest.hexdigest()[:16]}.so"
 
 
+def compile_library(cxx: str, tier: str, csrc: Path, out: Path, openmp: bool = True) -> None:
+    """Compile the kernel sources in `csrc` (this package's, or another version of them) into `out`."""
+    subprocess.run([cxx, *compile_flags(tier, openmp), *[str(csrc / name) for name in SOURCES], "-o", str(out)],
+                   check=True, capture_output=True, text=True)
+
+
 def build(cxx: str, tier: str, openmp: bool = True) -> Path:
     target = _library_path(cxx, tier, openmp)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    sources = [str(CSRC / name) for name in SOURCES]
     # Build beside the target and rename: concurrent processes never load a half-written file.
     with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
         partial = Path(tmp.name)
     try:
-        subprocess.run([cxx, *compile_flags(tier, openmp), *sources, "-o", str(partial)], check=True,
-                       capture_output=True, text=True)
+        compile_library(cxx, tier, CSRC, partial, openmp)
         partial.replace(target)
     finally:
         partial.unlink(missing_ok=True)
