@@ -76,78 +76,59 @@ void quantize_row8(const float* x, int64_t k, int8_t* digits, float* scale, floa
   }
 }
 
-// Columns [16 g0, 16 (g0 + G)) for M rows: acc[r][g] holds 16 columns of row r. Two: two input digits
-// (16-bit inputs), else one (8-bit).
-template <int Block, int M, int G, bool Two>
-void tile_group(const KvflowPackedWeight& w, int64_t g0, const Rows& rows, float* y, int64_t y_stride) {
+// Columns [16 g, 16 g + 16) for M rows: acc[r] holds them for row r. Two: two input digits (16-bit
+// inputs), else one (8-bit). One column group at a time, so a thread's weights are one sequential stream
+// (its groups lie end to end): interleaving four groups' streams left decode at batch 1 and 2 about 1.35x
+// slower on an AMD EPYC (benchmarks/RESULTS.md, session 17).
+template <int Block, int M, bool Two>
+void tile_group(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, int64_t y_stride) {
   const int64_t nb = w.k / Block;
   const size_t chunk = chunk_bytes(w);
   const size_t code_bytes = packed::code_bytes(w);
   const bool has_offset = w.has_offset != 0, any_offset = has_offset || w.centre != 0;
   const __m512 minus_centre = _mm512_set1_ps(-static_cast<float>(w.centre));
-  const uint8_t* base[G];
-  for (int g = 0; g < G; ++g) base[g] = w.data + static_cast<size_t>(g0 + g) * nb * chunk;
+  const uint8_t* base = w.data + static_cast<size_t>(g) * nb * chunk;
   const __m512i low_nibble = _mm512_set1_epi8(0x0f);
-  __m512 acc[M][G];
-  for (int r = 0; r < M; ++r)
-    for (int g = 0; g < G; ++g) acc[r][g] = _mm512_setzero_ps();
+  __m512 acc[M];
+  for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    __m512i sum_hi[M][G], sum_lo[M][G];
-    for (int r = 0; r < M; ++r)
-      for (int g = 0; g < G; ++g) sum_hi[r][g] = sum_lo[r][g] = _mm512_setzero_si512();
-    const size_t at = static_cast<size_t>(b) * chunk;
-    for (int g = 0; g < G; ++g) prefetch_ahead(base[g] + at, chunk);
-    auto step = [&](int quad, const __m512i* codes) {  // codes[g]: 16 columns x inputs 4 quad .. 4 quad + 3
-      __m512i xh[M], xl[M];
+    __m512i sum_hi[M], sum_lo[M];
+    for (int r = 0; r < M; ++r) sum_hi[r] = sum_lo[r] = _mm512_setzero_si512();
+    const uint8_t* block = base + static_cast<size_t>(b) * chunk;
+    prefetch_ahead(block, chunk);
+    auto step = [&](int quad, __m512i codes) {  // codes: 16 columns x inputs 4 quad .. 4 quad + 3
       for (int r = 0; r < M; ++r) {
-        xh[r] = broadcast4(rows.hi + r * rows.stride + b * Block + 4 * quad);
-        if constexpr (Two) xl[r] = broadcast4(rows.lo + r * rows.stride + b * Block + 4 * quad);
+        sum_hi[r] = _mm512_dpbusd_epi32(sum_hi[r], codes, broadcast4(rows.hi + r * rows.stride + b * Block + 4 * quad));
+        if constexpr (Two)
+          sum_lo[r] = _mm512_dpbusd_epi32(sum_lo[r], codes, broadcast4(rows.lo + r * rows.stride + b * Block + 4 * quad));
       }
-      for (int g = 0; g < G; ++g)
-        for (int r = 0; r < M; ++r) {
-          sum_hi[r][g] = _mm512_dpbusd_epi32(sum_hi[r][g], codes[g], xh[r]);
-          if constexpr (Two) sum_lo[r][g] = _mm512_dpbusd_epi32(sum_lo[r][g], codes[g], xl[r]);
-        }
     };
     if (w.bits == 4) {
       for (int row = 0; row < Block / 8; ++row) {  // 64 bytes: low nibbles are inputs 8 row .. +3, high +4 .. +7
-        __m512i lo[G], hi[G];
-        for (int g = 0; g < G; ++g) {
-          const __m512i v = _mm512_loadu_si512(base[g] + at + 64 * row);
-          lo[g] = _mm512_and_si512(v, low_nibble);
-          hi[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibble);
-        }
-        step(2 * row, lo);
-        step(2 * row + 1, hi);
+        const __m512i v = _mm512_loadu_si512(block + 64 * row);
+        step(2 * row, _mm512_and_si512(v, low_nibble));
+        step(2 * row + 1, _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibble));
       }
     } else {
-      for (int row = 0; row < Block / 4; ++row) {
-        __m512i codes[G];
-        for (int g = 0; g < G; ++g) codes[g] = _mm512_loadu_si512(base[g] + at + 64 * row);
-        step(row, codes);
-      }
+      for (int row = 0; row < Block / 4; ++row) step(row, _mm512_loadu_si512(block + 64 * row));
     }
-    for (int g = 0; g < G; ++g) {
-      const uint8_t* s = base[g] + at + code_bytes;
-      const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
-      // A centred weight's offset -centre * scale is exact in float32: the value a stored offset would have.
-      const __m512 offset =
-          has_offset ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32))) : _mm512_mul_ps(scale, minus_centre);
-      for (int r = 0; r < M; ++r) {
-        // 256 h + l: below 2^24 in magnitude for 4-bit codes, so exact in float32.
-        const __m512i dot = Two ? _mm512_add_epi32(_mm512_slli_epi32(sum_hi[r][g], 8), sum_lo[r][g]) : sum_hi[r][g];
-        const __m512 col_scale = _mm512_mul_ps(scale, _mm512_set1_ps(rows.scale[r * rows.blocks + b]));
-        acc[r][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), col_scale, acc[r][g]);
-        if (any_offset) acc[r][g] = _mm512_fmadd_ps(offset, _mm512_set1_ps(rows.sum[r * rows.blocks + b]), acc[r][g]);
-      }
+    const uint8_t* s = block + code_bytes;
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+    // A centred weight's offset -centre * scale is exact in float32: the value a stored offset would have.
+    const __m512 offset =
+        has_offset ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32))) : _mm512_mul_ps(scale, minus_centre);
+    for (int r = 0; r < M; ++r) {
+      // 256 h + l: below 2^24 in magnitude for 4-bit codes, so exact in float32.
+      const __m512i dot = Two ? _mm512_add_epi32(_mm512_slli_epi32(sum_hi[r], 8), sum_lo[r]) : sum_hi[r];
+      const __m512 col_scale = _mm512_mul_ps(scale, _mm512_set1_ps(rows.scale[r * rows.blocks + b]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), col_scale, acc[r]);
+      if (any_offset) acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(rows.sum[r * rows.blocks + b]), acc[r]);
     }
   }
-  for (int g = 0; g < G; ++g) {
-    const int64_t col = (g0 + g) * 16;
-    const int64_t left = w.n - col;
-    const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
-    for (int r = 0; r < M; ++r) _mm512_mask_storeu_ps(y + r * y_stride + col, mask, acc[r][g]);
-  }
+  const int64_t col = g * 16;
+  const int64_t left = w.n - col;
+  const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+  for (int r = 0; r < M; ++r) _mm512_mask_storeu_ps(y + r * y_stride + col, mask, acc[r]);
 }
 
 }  // namespace vnni
@@ -166,7 +147,6 @@ struct Vnni {
     // Two digits need twice the accumulators: at most four rows a pass in the 32 registers.
     digit_passes<Vnni, 4, M>(w, g_lo, g_hi, rows, y, ys);
   }
-  // Groups [g_lo, g_hi) for M rows, groups as wide as the registers allow.
   template <int M, bool Two>
   static void blocks(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y,
                      int64_t ys) {
@@ -177,10 +157,7 @@ struct Vnni {
   }
   template <int Block, int M, bool Two>
   static void groups(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y, int64_t ys) {
-    constexpr int G = M == 1 ? 4 : (M == 2 ? 2 : 1);
-    int64_t g = g_lo;
-    for (; g + G <= g_hi; g += G) vnni::tile_group<Block, M, G, Two>(w, g, rows, y, ys);
-    for (; g < g_hi; ++g) vnni::tile_group<Block, M, 1, Two>(w, g, rows, y, ys);
+    for (int64_t g = g_lo; g < g_hi; ++g) vnni::tile_group<Block, M, Two>(w, g, rows, y, ys);
   }
 };
 
