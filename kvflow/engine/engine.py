@@ -22,6 +22,7 @@ from kvflow.engine.runner import ModelRunner
 from kvflow.engine.scheduler import Scheduler
 from kvflow.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from kvflow.engine.speculation import Speculator, kept_tokens
+from kvflow.engine.step_history import StepHistory, StepRecord
 from kvflow.executors.model_setup import LoadedModel, load_model, set_threads
 from kvflow.layers.sampler import Sampler, SamplingRow, position_generator
 from kvflow.outputs import Logprob, RequestOutput
@@ -55,6 +56,7 @@ class LLMEngine:
         self.groups: dict[str, RequestGroup] = {}
         self.sequences: dict[str, SequenceState] = {}  # by engine request id
         self._trace = open(config.trace_file, "a") if config.trace_file else None  # noqa: SIM115
+        self.step_history = StepHistory()
         self._counter = 0
         self.num_steps = 0
         self._grammars: GrammarCompiler | None = None
@@ -205,8 +207,7 @@ class LLMEngine:
         self.num_steps += 1
         if self.speculator is not None:
             self._learn_from_step(sched, sampled, time.perf_counter() - t0 - drafting)
-        if self._trace is not None:
-            self._write_trace(sched, time.perf_counter() - t0)
+        self._record_step(sched, time.perf_counter() - t0)
         outputs = []
         for group_id in touched:
             group = self.groups.get(group_id)
@@ -440,16 +441,19 @@ class LLMEngine:
             if self.speculator is not None:
                 self.speculator.forget(seq.request)
 
-    def _write_trace(self, sched: SchedulerOutput, seconds: float) -> None:
-        decode = sum(1 for s in sched.scheduled if s.num_tokens == 1 and s.start >= s.request.num_prompt_tokens)
-        prefill = sched.total_num_scheduled_tokens - decode
-        record = {
-            "t": time.time(), "step": self.num_steps, "seconds": seconds, "prefill_tokens": prefill,
-            "decode_tokens": decode, "batch_size": len(sched.scheduled),
-            "kv_usage": self.scheduler.kv_cache_manager.usage,
-        }
-        self._trace.write(json.dumps(record) + "\n")
-        self._trace.flush()
+    def _record_step(self, sched: SchedulerOutput, seconds: float) -> None:
+        """The step's summary into the history the server's page draws (and the --trace file)."""
+        decode = 0
+        for s in sched.scheduled:
+            if s.num_tokens - len(s.draft_token_ids) == 1 and s.start >= s.request.num_prompt_tokens:
+                decode += s.num_tokens
+        record = StepRecord(step=self.num_steps, t=time.time(), seconds=seconds,
+                            prefill_tokens=sched.total_num_scheduled_tokens - decode, decode_tokens=decode,
+                            batch_size=len(sched.scheduled), kv_usage=self.scheduler.kv_cache_manager.usage)
+        self.step_history.add(record)
+        if self._trace is not None:
+            self._trace.write(json.dumps(record.as_dict()) + "\n")
+            self._trace.flush()
 
     # ---- stats -----------------------------------------------------------------------------------------
     @property

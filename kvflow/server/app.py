@@ -17,7 +17,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvflow import __version__
 from kvflow.engine.async_engine import AsyncEngine
-from kvflow.server import anthropic_api, ollama_api, openai_api, openapi, responses_api, tokenize_api
+from kvflow.server import (
+    anthropic_api,
+    ollama_api,
+    openai_api,
+    openapi,
+    page_api,
+    responses_api,
+    tokenize_api,
+)
 from kvflow.server.errors import APIError, error_response
 from kvflow.server.metrics import CONTENT_TYPE
 from kvflow.server.middleware import APIKeyMiddleware, RequestIdMiddleware, RootPathMiddleware
@@ -44,6 +52,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app.include_router(responses_api.router)
     app.include_router(anthropic_api.router)
     app.include_router(tokenize_api.router)
+    app.include_router(page_api.router)
     _add_basic_routes(app)
     _add_error_handlers(app, state)
     # The key is checked before any route runs; the body's size limit as a route reads it (serving.read_body).
@@ -65,13 +74,12 @@ def _add_basic_routes(app: FastAPI) -> None:
         ok = get_state(request).engine.is_running
         return PlainTextResponse("ok" if ok else "engine not running", status_code=200 if ok else 503)
 
-    @app.get("/")
-    async def root() -> Response:
-        return PlainTextResponse("kvflow is running")
-
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        return Response(get_state(request).metrics.render(), media_type=CONTENT_TYPE)
+        state = get_state(request)
+        if not state.settings.metrics:
+            raise APIError(404, "metrics are off (--no-metrics)", None, "not_found")
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
 
 def _add_error_handlers(app: FastAPI, state: ServerState) -> None:

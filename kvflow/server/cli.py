@@ -43,6 +43,9 @@ def add_serve_parser(subparsers) -> None:
                    help="larger request bodies get 413 (default: 4MiB)")
     g.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds to let responses in flight finish on SIGTERM/SIGINT")
+    g.add_argument("--no-ui", action="store_true", help="no chat page at GET / (a line of text instead)")
+    g.add_argument("--no-metrics", action="store_true",
+                   help="no /metrics and no live data for the page (which then stays a plain chat)")
     g.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(handler=cmd_serve)
 
@@ -66,7 +69,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     aliases = {loaded.resolved.name, args.model or DEFAULT_MODEL}
     settings = ServerSettings(served_model_name=name, model_aliases=aliases, api_key=args.api_key,
                               max_waiting=args.max_waiting, max_body_bytes=args.max_body_size,
-                              root_path=args.root_path)
+                              root_path=args.root_path, ui=not args.no_ui, metrics=not args.no_metrics)
     app = create_app(AsyncEngine(engine), settings)
     config = uvicorn.Config(app, host=args.host, port=args.port, uds=args.uds, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_grace, access_log=False)
@@ -74,7 +77,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"kvflow serve: model {name} ({loaded.resolved.path})\n"
           f"  dtype {str(loaded.dtype).removeprefix('torch.')}, device {loaded.device}, "
           f"context {engine.max_model_len} tokens, KV cache {engine.kv_capacity_tokens} tokens\n"
-          f"  listening on {where}  (OpenAI: /v1, Ollama: /api, /metrics, /health)",
+          f"  listening on {where}  (OpenAI: /v1, Ollama: /api, /metrics, /health"
+          f"{'' if args.no_ui else '; chat page: /'})",
           file=sys.stderr, flush=True)
     _GracefulServer(config).run()
     return 0

@@ -11,7 +11,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvflow.server.errors import APIError, error_response
 
-OPEN_PATHS = {"/health"}  # answered without the key, so load balancers can probe
+# Answered without the key: /health, so load balancers can probe; the page and its files, which ask for
+# the key and send it with every request they make.
+OPEN_PATHS = {"/health", "/"}
+OPEN_PREFIXES = ("/ui/",)
 
 OnError = Callable[[APIError], None]
 
@@ -72,7 +75,7 @@ class APIKeyMiddleware:
         self.app, self.api_key, self.on_error = app, api_key, on_error
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or route_path(scope) in OPEN_PATHS:
+        if scope["type"] != "http" or route_path(scope) in OPEN_PATHS or route_path(scope).startswith(OPEN_PREFIXES):
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         given = headers.get(b"authorization", b"").decode("latin-1").strip()

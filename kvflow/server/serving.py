@@ -43,6 +43,8 @@ class ServerSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     retry_after_s: int = 1
     root_path: str = ""  # --root-path: every route also served under this prefix
+    ui: bool = True  # the page at GET / (--no-ui: a line of text there instead)
+    metrics: bool = True  # /metrics and the page's live data (--no-metrics: both 404)
 
 
 def log_finished(out: RequestOutput) -> None:
@@ -68,6 +70,16 @@ class ServerState:
         engine.finished_listeners.append(self.metrics.observe_finished)
         engine.finished_listeners.append(log_finished)
         self.started = time.time()
+        self._machine = None
+
+    @property
+    def machine(self):
+        """What this machine allows the model (server/machine.py), built when the page first asks."""
+        if self._machine is None:
+            from kvflow.server.machine import MachineLimits
+
+            self._machine = MachineLimits(self.engine.engine.loaded, self.engine.engine.runner.kv_dtype.itemsize)
+        return self._machine
 
     @property
     def model_name(self) -> str:

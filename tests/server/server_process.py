@@ -21,13 +21,13 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *args: str, startup_timeout: float = 300.0) -> None:
+    def __init__(self, *args: str, startup_timeout: float = 300.0, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kvflow-serve-", suffix=".log")  # noqa: SIM115
         cmd = [sys.executable, "-m", "kvflow", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        environ = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=environ)
         self._wait_ready(startup_timeout)
 
     def _wait_ready(self, timeout: float) -> None:
@@ -41,8 +41,9 @@ class ServerProcess:
             except httpx.TransportError:
                 pass
             time.sleep(0.3)
+        output = self.output()
         self.stop()
-        raise TimeoutError(f"kvflow serve not ready after {timeout} s:\n{self.output()}")
+        raise TimeoutError(f"kvflow serve not ready after {timeout} s:\n{output}")
 
     def output(self) -> str:
         self.log.flush()
@@ -74,9 +75,9 @@ class ServerProcess:
 
 
 class KeyedServerProcess(ServerProcess):
-    def __init__(self, api_key: str, *args: str) -> None:
+    def __init__(self, api_key: str, *args: str, **kwargs) -> None:
         self.api_key = api_key
-        super().__init__("--api-key", api_key, *args)
+        super().__init__("--api-key", api_key, *args, **kwargs)
 
     def auth_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"}

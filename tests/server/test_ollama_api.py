@@ -20,6 +20,8 @@ def client(tiny_server) -> ollama.Client:
 def test_root_version_tags_and_show(client, tiny_server):
     r = httpx.get(tiny_server.base_url + "/")
     assert r.status_code == 200 and r.text == "kvflow is running"
+    page = httpx.get(tiny_server.base_url + "/", headers={"Accept": "text/html,*/*"})  # a browser: the chat page
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html") and "kvflow" in page.text
     assert httpx.get(tiny_server.base_url + "/api/version").json() == {"version": "0.1.0"}
     (model,) = client.list().models
     assert model.model == TINY_NAME and model.size > 0 and model.details.family == "llama"
