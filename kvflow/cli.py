@@ -91,6 +91,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from kvflow.sampling_params import SamplingParams
 
     llm = LLM(**engine_options(args))
+    llm.engine.warm_up()  # the first answer's TTFT, which this command prints, is then the model's own
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     history = [{"role": "system", "content": args.system}] if args.system else []
     print("kvflow chat: type a message, /reset to start over, Ctrl-D to quit.", file=sys.stderr)

@@ -89,6 +89,22 @@ class LLMEngine:
         bos = self.tokenizer.bos_token
         return self.tokenizer(prompt, add_special_tokens=not (bos and prompt.startswith(bos))).input_ids
 
+    def warm_up(self) -> None:
+        """Run one short request and forget it, before the first real one. The first step maps the KV cache's
+        first pages (on 2 MiB huge pages, which the kernel zeroes, and may first have to compact memory for)
+        and wakes the thread team: on a 2-core AMD EPYC that was 0.35 s of the first user's TTFT (against
+        0.04 s with KVFLOW_HUGE_PAGES=0). Its prompt fills no block, so nothing enters the prefix cache; the
+        statistics it moved are reset."""
+        request_id = "kvflow-warm-up"
+        self.add_request(request_id, list(range(max(1, self.config.cache.block_size // 2))),
+                         SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        while request_id in self.groups:
+            self.step()
+        self.scheduler.kv_cache_manager.reset_prefix_cache()  # (a block of one or two tokens may have filled)
+        self.scheduler.kv_cache_manager.reset_stats()
+        self.num_steps = 0
+        self.step_history = StepHistory()
+
     def next_request_id(self) -> str:
         self._counter += 1
         return f"req-{self._counter}"

@@ -63,7 +63,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # --log-level sets kvflow's own lines too (at info: one per finished request, by its id); -v still means info.
     logging.getLogger("kvflow").setLevel(logging.INFO if args.verbose else args.log_level.upper())
     options = engine_config(**engine_options(args))
-    engine = build_off_the_main_thread(lambda: LLMEngine(options))
+    engine = build_off_the_main_thread(lambda: _warmed_up(LLMEngine(options)))
     loaded = engine.loaded
     name = args.served_model_name or loaded.resolved.name
     aliases = {loaded.resolved.name, args.model or DEFAULT_MODEL}
@@ -82,6 +82,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
           file=sys.stderr, flush=True)
     _GracefulServer(config).run()
     return 0
+
+
+def _warmed_up(engine):
+    engine.warm_up()  # the first user's request does not pay for the first step's page faults
+    return engine
 
 
 class _GracefulServer:
