@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 
 from kvflow.engine.request import Request
 from kvflow.spec.config import SpeculativeConfig
-from kvflow.spec.control import Acceptance, MatchAcceptance, StepCosts, best_num_drafts
+from kvflow.spec.control import Acceptance, MatchAcceptance, StepCosts, allocate_drafts
 from kvflow.spec.sources import DraftSource
 
 
@@ -47,34 +47,36 @@ class Speculator:
         step_seconds = self.costs.step_seconds(len(decoding), context)
         if step_seconds > 0:
             row_fraction += self.source.seconds_per_draft() / step_seconds
-        limit, others = self.config.num_speculative_tokens, len(decoding) - 1
+        limit, batch, adaptive = self.config.num_speculative_tokens, len(decoding), self.config.adaptive
 
-        def how_many(request: Request, matched: int) -> int:
-            if not self.config.adaptive:
-                return limit
-            return best_num_drafts(self._own(request).of(matched).rate, row_fraction, others, limit)
-
-        # Before asking the source: a sequence where even its best-earning drafts would get none verified
-        # (a big batch, drafts that never pay) is not asked (a lookup costs Python time, a draft model
-        # forwards), and its estimates recover so that it tries again later. A draft model drafts as many
-        # as pay (its drafts carry no match length); a lookup gets the most, cut once its match is known.
+        # Before asking the source: sequences where even their best-earning drafts would get none verified
+        # in this step (a big batch, drafts that never pay) are not asked (a lookup costs Python time, a draft
+        # model forwards), and their estimates recover so that they try again later. A draft model drafts as
+        # many as pay (its drafts carry no match length); a lookup gets the most, cut once its match is known.
+        compute = self.source.drafts_cost_compute
+        if adaptive:
+            best = [self._own(r).of(0).rate if compute else self._own(r).best_rate() for r in candidates]
+            counts = allocate_drafts(best, [limit] * len(candidates), row_fraction, batch)
+        else:
+            counts = [limit] * len(candidates)
         paying, limits = [], []
-        for request in candidates:
-            own = self._own(request)
-            best = own.of(0).rate if self.source.drafts_cost_compute else own.best_rate()
-            k = best_num_drafts(best, row_fraction, others, limit) if self.config.adaptive else limit
+        for request, k in zip(candidates, counts):
             if k == 0:
-                own.idle()
+                self._own(request).idle()
                 continue
             paying.append(request)
-            limits.append(k if self.source.drafts_cost_compute else limit)
-        candidates = paying
-        if not candidates:
+            limits.append(k if compute else limit)
+        if not paying:
             return
-        for request, (draft, matched) in zip(candidates, self.source.propose(candidates, limits)):
-            if not draft:
-                continue
-            request.draft_token_ids = draft[: how_many(request, matched)]
+        drafted = [(request, draft, matched) for request, (draft, matched)
+                   in zip(paying, self.source.propose(paying, limits)) if draft]
+        if adaptive:  # the whole step's drafts, now that each one's match length is known
+            rates = [self._own(request).of(matched).rate for request, _, matched in drafted]
+            counts = allocate_drafts(rates, [len(draft) for _, draft, _ in drafted], row_fraction, batch)
+        else:
+            counts = [limit] * len(drafted)
+        for (request, draft, matched), k in zip(drafted, counts):
+            request.draft_token_ids = draft[:k]
             self._judged[request.request_id] = (self._own(request).of(matched), self.shared.of(matched))
 
     def _own(self, request: Request) -> MatchAcceptance:

@@ -1,16 +1,20 @@
-"""How many draft tokens a sequence should verify this step, from what speculation has earned so far.
+"""How many draft tokens each sequence should verify this step, from what speculation has earned so far.
 
-A draft token j (1-based) is kept only if the j - 1 before it were, so with a per-token acceptance rate a,
-k drafts make E(k) = 1 + a + ... + a**k tokens where the step made 1. Each draft adds a row to the step,
-which costs `row_fraction` of a plain step of this batch (measured: StepCosts) and which every sequence in
-the batch waits for. The batch's tokens per unit of time are then about (E(k) + others) / (1 + row_fraction
-* k), `others` being the other sequences' one token each; k is chosen to maximize that. On a step where
-the weights' bytes dominate, a row is cheap and k grows; in a big batch the other sequences' tokens
-outweigh one sequence's gain and k falls to 0: speculation backs off by itself under load.
+A draft token j (1-based) is kept only if the j - 1 before it were, so with a per-token acceptance rate a
+it makes a**j tokens in expectation, where a plain step makes one per sequence. Each draft adds a row to
+the step, which costs `row_fraction` of a plain step of this batch (measured: StepCosts) and which every
+sequence in the batch waits for. The drafts are chosen for the whole step at once, to maximize its tokens
+per unit of time: (batch + the drafts' expected tokens) / (1 + row_fraction * rows). On a step where the
+weights' bytes dominate, a row is cheap and sequences draft many; in a big batch a row must earn what the
+others make in its time, and drafting falls to 0: speculation backs off by itself under load. Each
+sequence alone would over-draft when all of them draft: each would price its rows against a step where
+the others make one token each.
 """
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -130,13 +134,23 @@ class StepCosts:
         return float((theta[3] + theta[4] * row_context / 1000) / self.step_seconds(batch, context))
 
 
-def best_num_drafts(rate: float, row_fraction: float, others: int, limit: int) -> int:
-    """The k in [0, limit] that maximizes (E(k) + others) / (1 + row_fraction * k)."""
-    best_k, best, tokens, gain = 0, 1.0 + others, 1.0 + others, 1.0
-    for k in range(1, limit + 1):
-        gain *= rate
-        tokens += gain
-        value = tokens / (1.0 + row_fraction * k)
-        if value > best:
-            best_k, best = k, value
-    return best_k
+def allocate_drafts(rates: Sequence[float], limits: Sequence[int], row_fraction: float, batch: int) -> list[int]:
+    """How many drafts each sequence (acceptance rates[i], at most limits[i] drafts) verifies in a step of
+    `batch` decoding sequences (those not listed make their one token too). Draft j of sequence i earns
+    rates[i]**j tokens and costs a row. The step's tokens / time rises with a row exactly while the row
+    earns more than row_fraction times the tokens per unit of time so far; so the drafts are taken in order
+    of what they earn (each sequence's in its order, since they earn less and less) while that holds."""
+    counts = [0] * len(rates)
+    heap = [(-rate, i) for i, (rate, limit) in enumerate(zip(rates, limits)) if limit > 0 and rate > 0]
+    heapq.heapify(heap)
+    tokens, cost = float(batch), 1.0
+    while heap:
+        earns, i = heapq.heappop(heap)
+        earns = -earns
+        if earns <= row_fraction * tokens / cost:
+            break
+        counts[i] += 1
+        tokens, cost = tokens + earns, cost + row_fraction
+        if counts[i] < limits[i]:
+            heapq.heappush(heap, (-earns * rates[i], i))
+    return counts

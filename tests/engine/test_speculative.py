@@ -4,6 +4,7 @@ task keeps most drafts; the adaptive control and the config."""
 
 from __future__ import annotations
 
+import itertools
 import random
 import types
 
@@ -19,7 +20,7 @@ from kvflow.config import ModelConfig
 from kvflow.engine.speculation import Speculator, kept_tokens
 from kvflow.executors.model_setup import load_model
 from kvflow.spec.config import SpeculativeConfig
-from kvflow.spec.control import Acceptance, StepCosts, best_num_drafts
+from kvflow.spec.control import Acceptance, StepCosts, allocate_drafts
 from kvflow.spec.ngram import NgramProposer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -165,18 +166,28 @@ def test_ngram_proposer_takes_the_longest_latest_match():
             assert draft == seq[start:start + 3].tolist()
 
 
+def best_alone(rate: float, row_fraction: float, batch: int, limit: int) -> int:
+    """By brute force: the k in [0, limit] that maximizes the step's tokens / time for one drafting sequence."""
+    value = [(batch + sum(rate**j for j in range(1, k + 1))) / (1 + row_fraction * k) for k in range(limit + 1)]
+    return max(range(limit + 1), key=lambda k: (value[k], -k))
+
+
 def test_the_control_backs_off_when_rows_cost_more_than_they_earn():
-    assert best_num_drafts(0.99, 0.02, 0, 16) == 16  # cheap rows, good drafts: the most
-    assert 0 < best_num_drafts(0.9, 0.2, 0, 16) < 16
-    assert best_num_drafts(0.1, 0.2, 0, 16) == 0  # bad drafts
-    assert best_num_drafts(0.9, 0.2, 15, 16) == 0  # a batch of 16: a row costs what the others make
+    assert allocate_drafts([0.99], [16], 0.02, 1) == [16]  # cheap rows, good drafts: the most
+    assert 0 < allocate_drafts([0.9], [16], 0.2, 1)[0] < 16
+    assert allocate_drafts([0.1], [16], 0.2, 1) == [0]  # bad drafts
+    assert allocate_drafts([0.9], [16], 0.2, 16) == [0]  # a batch of 16: a row costs what the others make
+    for rate in (0.3, 0.6, 0.8, 0.95):
+        for row_fraction in (0.01, 0.05, 0.2):
+            for batch in (1, 2, 8):  # one sequence drafting: exactly the brute-force best
+                assert allocate_drafts([rate], [16], row_fraction, batch) == [best_alone(rate, row_fraction, batch, 16)]
     acceptance = Acceptance()
     for _ in range(30):
         acceptance.update(4, 0)
-    assert best_num_drafts(acceptance.rate, 0.15, 0, 16) == 0
+    assert allocate_drafts([acceptance.rate], [16], 0.15, 1) == [0]
     for _ in range(200):
         acceptance.idle()
-    assert best_num_drafts(acceptance.rate, 0.15, 0, 16) > 0  # it probes again after a while
+    assert allocate_drafts([acceptance.rate], [16], 0.15, 1)[0] > 0  # it probes again after a while
     costs = StepCosts()
     assert costs.row_fraction(1) == pytest.approx(0.15)  # nothing measured: the prior
     rng = random.Random(3)
@@ -214,6 +225,26 @@ class CountingLookup:
 
     def finished(self, request) -> None:
         pass
+
+
+def test_drafts_are_chosen_for_the_whole_step():
+    def throughput(rates, counts, row_fraction, batch):
+        earned = sum(sum(r**j for j in range(1, k + 1)) for r, k in zip(rates, counts))
+        return (batch + earned) / (1 + row_fraction * sum(counts))
+
+    rng = random.Random(5)
+    for _ in range(40):  # against every choice of counts, on small cases
+        n, limit = rng.randint(1, 3), 4
+        rates = [rng.uniform(0.2, 0.99) for _ in range(n)]
+        row_fraction, batch = rng.uniform(0.01, 0.3), n + rng.randint(0, 3)
+        best = max(throughput(rates, c, row_fraction, batch) for c in itertools.product(range(limit + 1), repeat=n))
+        chosen = allocate_drafts(rates, [limit] * n, row_fraction, batch)
+        assert throughput(rates, chosen, row_fraction, batch) == pytest.approx(best, rel=1e-12)
+    # Eight sequences with good drafts: each alone would verify 8, together they take far fewer rows, and
+    # the better drafts get more of them.
+    alone = allocate_drafts([0.8], [16], 0.02, 8)[0]
+    together = allocate_drafts([0.8] * 7 + [0.95], [16] * 8, 0.02, 8)
+    assert alone == 7 and together[:7] == [4] * 7 and together[-1] == 16
 
 
 def test_a_lookup_is_not_asked_where_no_draft_would_pay():
@@ -287,7 +318,7 @@ def test_a_sampled_draft_is_kept_with_the_targets_probability(tiny_checkpoints, 
     pair = max(set(pairs), key=pairs.count)
     # Draft the pair's second token after its first, always (in a batch of 64 the control would not):
     # kept exactly when the model samples it there.
-    monkeypatch.setattr("kvflow.engine.speculation.best_num_drafts", lambda rate, cost, others, limit: limit)
+    monkeypatch.setattr("kvflow.engine.speculation.allocate_drafts", lambda rates, limits, cost, batch: list(limits))
     spec.engine.speculator.source.ngram.propose = lambda tokens, k: ([pair[1]], 8) if tokens[-1] == pair[0] else ([], 0)
     outs = spec.generate([{"prompt_token_ids": ids}] * n,
                          [SamplingParams(temperature=temperature, max_tokens=3, seed=s, ignore_eos=True)
