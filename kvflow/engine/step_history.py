@@ -39,5 +39,6 @@ class StepHistory:
     def since(self, step: int, limit: int | None = None) -> list[StepRecord]:
         """The records after step number `step`, oldest first (at most the last `limit` of them)."""
         with self._lock:
-            newer = [r for r in self._records if r.step > step] if self._records and self._records[-1].step > step else []
+            records = list(self._records)
+        newer = [r for r in records if r.step > step]
         return newer[-limit:] if limit else newer
