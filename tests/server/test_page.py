@@ -1,13 +1,12 @@
 """The chat page at GET /, in headless Chromium against a real `kvflow serve` on 127.0.0.1.
 
-The default model answers (the fast mode, as `kvflow serve` runs it); the server reads a probe written here
-(KVFLOW_PROBE), so each answer is set against known machine limits. The API key and --no-metrics cases run
+The default model answers (the fast mode, as `kvflow serve` runs it: the agent server); that server reads a
+probe written by the fixture (KVFLOW_PROBE), so each answer is set against known machine limits. The API key and --no-metrics cases run
 on the tiny random model. Set KVFLOW_UI_SCREENSHOT=path to keep the two-turn screenshot (docs/ui.png).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -17,11 +16,10 @@ import httpx
 import pytest
 from playwright.sync_api import Page, expect, sync_playwright
 
-from kvflow.kernels import cpu_features
 from server.browser import launch_chromium
-from server.server_process import KeyedServerProcess, ServerProcess
+from server.conftest import PROBE_BANDWIDTH_GB_S
+from server.server_process import KeyedServerProcess
 
-BANDWIDTH_GB_S = 20.0
 ANSWER_TIMEOUT_MS = 120_000
 
 
@@ -34,18 +32,8 @@ def browser():
 
 
 @pytest.fixture(scope="module")
-def page_server(tmp_path_factory):
-    probe = tmp_path_factory.mktemp("probe") / "probe.json"
-    probe.write_text(json.dumps({
-        "kind": "probe", "device": "cpu", "quick": False,
-        "machine": {"cpu_model": cpu_features.cpu_name(), "cpu_tier": cpu_features.isa_tier(), "date": "test"},
-        "results": [{"threads": t, "copy_dram_gb_s": BANDWIDTH_GB_S, "copy_cache_gb_s": 40.0,
-                     "matmul_f32_tflop_s": 0.1, "matmul_bf16_tflop_s": None, "matmul_packed_tflop_s": 0.2}
-                    for t in (1, 2, 4, 8)],
-    }))
-    server = ServerProcess("--kv-cache-memory", "256MiB", env={"KVFLOW_PROBE": str(probe)})
-    yield server
-    server.stop()
+def page_server(agent_server):
+    return agent_server  # the default model in the fast mode, its page set against PROBE_BANDWIDTH_GB_S
 
 
 @pytest.fixture
@@ -96,7 +84,7 @@ def test_a_two_turn_chat_streams_answers_with_where_their_time_went(page, page_s
     # The decode ceiling the page states is the probe's bandwidth over the weights and K/V a step reads.
     limits = httpx.get(page_server.base_url + "/kvflow/live", timeout=10).json()["limits"]["model"]
     step_bytes = limits["weight_bytes_per_step"] + limits["kv_bytes_per_token"] * (prompt_tokens + completion / 2)
-    ceiling = BANDWIDTH_GB_S * 1e9 / step_bytes
+    ceiling = PROBE_BANDWIDTH_GB_S * 1e9 / step_bytes
     stated = re.search(r"decode at (\d+)% of what memory bandwidth allows \(([\d,]+) tok/s\)", text)
     assert stated, text
     assert int(stated.group(2).replace(",", "")) == round(ceiling)
@@ -115,7 +103,7 @@ def test_a_two_turn_chat_streams_answers_with_where_their_time_went(page, page_s
         arg=cached, timeout=10_000)
     steps = page.evaluate("state.steps")
     assert any(s["prefill_tokens"] > 0 for s in steps) and any(s["decode_tokens"] > 0 for s in steps)
-    expect(page.locator("#machine")).to_contain_text(f"{BANDWIDTH_GB_S:.1f} GB/s")
+    expect(page.locator("#machine")).to_contain_text(f"{PROBE_BANDWIDTH_GB_S:.1f} GB/s")
 
     shot = tmp_path / "ui.png"
     page.screenshot(path=str(shot))
@@ -178,7 +166,7 @@ def test_regenerate_replaces_the_last_answer_and_copy_copies_it(page):
 @pytest.fixture(scope="module")
 def keyed_plain_server(tiny_model_dir):
     server = KeyedServerProcess("page-key", "--model", str(tiny_model_dir), "--kv-cache-memory", "64MiB",
-                                "--no-metrics")
+                                "--no-metrics", "--root-path", "/kv")
     yield server
     server.stop()
 
@@ -186,9 +174,15 @@ def keyed_plain_server(tiny_model_dir):
 def test_the_page_asks_for_the_key_and_without_metrics_is_a_plain_chat(browser, keyed_plain_server):
     base = keyed_plain_server.base_url
     assert httpx.get(base + "/metrics", headers=keyed_plain_server.auth_headers()).status_code == 404
+    # The page and its files are open under the root path; the data behind them is not.
+    page_html = httpx.get(base + "/kv/", headers={"Accept": "text/html"}, timeout=10)
+    assert page_html.status_code == 200 and '<base href="/kv/">' in page_html.text
+    assert httpx.get(base + "/kv/ui/app.js", timeout=10).status_code == 200
+    assert httpx.get(base + "/kv/kvflow/live", timeout=10).status_code == 401
+    assert httpx.post(base + "/kv/kvflow/probe", timeout=10).status_code == 401
     context = browser.new_context()
     page = context.new_page()
-    page.goto(base + "/")
+    page.goto(base + "/kv/")  # under --root-path: the page's requests go there too
     dialog = page.locator("#key-dialog")  # the page's first request was refused: it asks for the key
     expect(dialog).to_be_visible(timeout=10_000)
     page.fill("#api-key", "page-key")

@@ -75,18 +75,6 @@ def test_no_ui_and_the_key(tiny_model_dir):
         server.stop()
 
 
-def test_the_page_under_a_root_path_and_a_key_is_served_without_the_key(tiny_model_dir):
-    server = KeyedServerProcess("k", "--model", str(tiny_model_dir), "--kv-cache-memory", "64MiB",
-                                "--root-path", "/kv")
-    try:
-        page = httpx.get(server.base_url + "/kv/", headers={"Accept": "text/html"}, timeout=10)
-        assert page.status_code == 200 and '<base href="/kv/">' in page.text
-        assert httpx.get(server.base_url + "/kv/ui/app.js", timeout=10).status_code == 200
-        assert httpx.post(server.base_url + "/kv/kvflow/probe", timeout=10).status_code == 401
-    finally:
-        server.stop()
-
-
 def test_the_machine_probe_runs_once_at_a_time_and_is_kept(default_loaded, monkeypatch, tmp_path):
     from kvflow.bench import probe as probes
     from kvflow.kernels import cpu_features
