@@ -29,7 +29,7 @@ from kvflow.server import (
 from kvflow.server.errors import APIError, error_response
 from kvflow.server.metrics import CONTENT_TYPE
 from kvflow.server.middleware import APIKeyMiddleware, RequestIdMiddleware, RootPathMiddleware
-from kvflow.server.serving import ServerSettings, ServerState, get_state
+from kvflow.server.serving import ServerSettings, ServerState, get_state, metrics_state
 
 log = logging.getLogger("kvflow")
 
@@ -76,10 +76,7 @@ def _add_basic_routes(app: FastAPI) -> None:
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        state = get_state(request)
-        if not state.settings.metrics:
-            raise APIError(404, "metrics are off (--no-metrics)", None, "not_found")
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+        return Response(metrics_state(request).metrics.render(), media_type=CONTENT_TYPE)
 
 
 def _add_error_handlers(app: FastAPI, state: ServerState) -> None:

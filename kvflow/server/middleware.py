@@ -19,6 +19,10 @@ OPEN_PREFIXES = ("/ui/",)
 OnError = Callable[[APIError], None]
 
 
+def _is_open(path: str) -> bool:
+    return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
+
+
 async def _reject(scope: Scope, receive: Receive, send: Send, error: APIError, on_error: OnError) -> None:
     on_error(error)
     await error_response(Request(scope, receive), error)(scope, receive, send)
@@ -75,7 +79,7 @@ class APIKeyMiddleware:
         self.app, self.api_key, self.on_error = app, api_key, on_error
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or route_path(scope) in OPEN_PATHS or route_path(scope).startswith(OPEN_PREFIXES):
+        if scope["type"] != "http" or _is_open(route_path(scope)):
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         given = headers.get(b"authorization", b"").decode("latin-1").strip()

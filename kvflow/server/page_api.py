@@ -17,7 +17,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, Response
 
 from kvflow.server.errors import APIError
-from kvflow.server.serving import ServerState, get_state
+from kvflow.server.serving import ServerState, get_state, metrics_state
 
 PAGE_DIR = Path(__file__).parent / "page"
 PAGE_FILES = {"app.js": "text/javascript", "style.css": "text/css"}
@@ -45,18 +45,12 @@ async def page_file(request: Request, name: str) -> Response:
 
 @router.get("/kvflow/live")
 async def live(request: Request, since: int = Query(0, ge=0)) -> JSONResponse:
-    state = get_state(request)
-    if not state.settings.metrics:
-        raise APIError(404, "metrics are off (--no-metrics)", None, "not_found")
-    return JSONResponse(_live(state, since))
+    return JSONResponse(_live(metrics_state(request), since))
 
 
 @router.post("/kvflow/probe")
 async def probe(request: Request) -> JSONResponse:
-    state = get_state(request)
-    if not state.settings.metrics:
-        raise APIError(404, "metrics are off (--no-metrics)", None, "not_found")
-    started = state.machine.start_probe()
+    started = metrics_state(request).machine.start_probe()
     return JSONResponse({"started": started, "probing": True}, status_code=202)
 
 

@@ -113,6 +113,14 @@ def get_state(request: Request) -> ServerState:
     return request.app.state.kvflow
 
 
+def metrics_state(request: Request) -> ServerState:
+    """The server's state, for a route that serves metrics: 404 when they are off (--no-metrics)."""
+    state = get_state(request)
+    if not state.settings.metrics:
+        raise APIError(404, "metrics are off (--no-metrics)", None, "not_found")
+    return state
+
+
 def request_id(request: Request, prefix: str) -> str:
     """The client's X-Request-Id when it sent one, else a fresh id."""
     given = request.headers.get("x-request-id", "").strip()
