@@ -40,6 +40,11 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=s.max_num_seqs)
     g.add_argument("--long-prefill-token-threshold", type=int, default=s.long_prefill_token_threshold)
     g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
+    g.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
+                   help="keep full KV blocks on disk too: a prefix evicted from memory, or cached before a restart, "
+                        "is read back instead of recomputed")
+    g.add_argument("--prefix-cache-disk", type=parse_bytes, default=None, metavar="SIZE",
+                   help="bound of --prefix-cache-dir, e.g. 20GiB (default: 16GiB or half the free space)")
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--quantization", default=None, choices=["none", "gguf", "int8", "int4"],
                    help="CPU weight-only: gguf keeps a GGUF's Q4_x/Q5_x/Q8_0/K-quant/IQ4 weights packed (the default for GGUF files "
@@ -61,6 +66,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         enable_prefix_caching=not args.no_prefix_caching, enable_chunked_prefill=not args.no_chunked_prefill,
+        prefix_cache_dir=args.prefix_cache_dir, prefix_cache_disk=args.prefix_cache_disk,
         quantization=args.quantization, compile=args.compile, threads=args.threads, seed=args.seed, trace_file=args.trace,
         speculative_config=args.speculative_config,
     )

@@ -34,6 +34,10 @@ class CacheConfig:
     kv_cache_memory: int | None = None  # bytes; None: a share of free memory
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | float32 | bfloat16 | float16
     enable_prefix_caching: bool = True
+    # The prefix cache's disk tier (engine/prefix_store.py): full blocks saved under this folder, found again
+    # after an eviction or a restart; bounded by prefix_cache_disk bytes (None: 16 GiB or half the free space).
+    prefix_cache_dir: str | None = None
+    prefix_cache_disk: int | None = None
     num_blocks: int | None = None  # set once the cache is sized (tests may force it)
 
 

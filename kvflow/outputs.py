@@ -40,6 +40,7 @@ class RequestMetrics:
     token_times: list[float] = field(default_factory=list)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    num_disk_cached_tokens: int = 0  # of those, read back from the prefix cache's disk tier
     num_generated_tokens: int = 0
     num_preemptions: int = 0
     num_draft_tokens: int = 0  # speculative decoding: guessed tokens verified

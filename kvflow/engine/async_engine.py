@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from kvflow.engine.engine import LLMEngine
+from kvflow.engine.prefix_store import StoreStats
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
 
@@ -45,6 +46,10 @@ class EngineStats:
     kv_cache_usage: float = 0.0  # fraction of blocks held by requests
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
+    prefix_disk_hit_tokens: int = 0  # of the hits, tokens read back from the disk tier
+    disk_store: StoreStats | None = None  # the disk tier's counters (None: no disk tier)
+    disk_store_blocks: int = 0
+    disk_store_bytes: int = 0
     num_preemptions: int = 0
     num_steps: int = 0
 
@@ -170,6 +175,7 @@ class AsyncEngine:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        self.engine.close()
 
     @property
     def is_running(self) -> bool:
@@ -325,6 +331,7 @@ class AsyncEngine:
     def _update_stats(self) -> None:
         scheduler = self.engine.scheduler
         kv = scheduler.kv_cache_manager
+        store = self.engine.prefix_store
         with self._cond:
             self._stats = EngineStats(
                 num_running=scheduler.num_running,
@@ -334,6 +341,10 @@ class AsyncEngine:
                 kv_cache_usage=kv.usage,
                 prefix_queried_tokens=kv.queried_tokens,
                 prefix_hit_tokens=kv.hit_tokens,
+                prefix_disk_hit_tokens=kv.stats.disk_hit_tokens,
+                disk_store=None if store is None else replace(store.stats),
+                disk_store_blocks=0 if store is None else len(store),
+                disk_store_bytes=0 if store is None else store.size_bytes,
                 num_preemptions=scheduler.num_preemptions,
                 num_steps=self.engine.num_steps,
             )

@@ -6,6 +6,7 @@ Everything here runs on the caller's thread; the server wraps it in a background
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import time
@@ -16,6 +17,8 @@ import torch
 
 from kvflow.config import EngineConfig
 from kvflow.engine.detokenizer import IncrementalDetokenizer
+from kvflow.engine.prefix_store import DiskPrefixStore
+from kvflow.engine.prefix_tier import DiskTier, store_namespace
 from kvflow.engine.prompt_scoring import score_prompt
 from kvflow.engine.request import Request, RequestGroup, RequestStatus, SequenceState
 from kvflow.engine.runner import ModelRunner
@@ -51,6 +54,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.loaded, config.cache, attention_backend, config.scheduler.max_num_seqs,
                                   max_num_batched_tokens=config.scheduler.max_num_batched_tokens)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.group_blocks, self.runner.group_windows)
+        self.prefix_store = self._open_prefix_store()
         self.sampler = Sampler()
         self.eos_token_ids = self._eos_ids()
         self.groups: dict[str, RequestGroup] = {}
@@ -68,6 +72,33 @@ class LLMEngine:
         if spec is not None:
             source = build_source(spec, self.loaded, config.scheduler.max_num_seqs)
             self.speculator = Speculator(spec, source)
+
+    def _open_prefix_store(self) -> DiskPrefixStore | None:
+        """The prefix cache's disk tier, where the options ask for it and the cache allows it."""
+        cache = self.config.cache
+        if cache.prefix_cache_dir is None:
+            return None
+        if not cache.enable_prefix_caching:
+            raise ValueError("--prefix-cache-dir needs prefix caching (drop --no-prefix-caching)")
+        if len(self.runner.group_windows) > 1 or self.runner.group_windows[0]:
+            log.warning("the prefix cache's disk tier is off: this model has sliding-window layers")
+            return None
+        kv = self.runner.kv_caches
+        namespace = store_namespace(self.loaded, self.runner.block_size, self.runner.kv_dtype)
+        try:
+            store = DiskPrefixStore(cache.prefix_cache_dir, namespace, DiskTier.bytes_per_block(kv),
+                                    cache.prefix_cache_disk)
+        except OSError as exc:
+            raise ValueError(f"the prefix cache's folder {cache.prefix_cache_dir!r} cannot be used: {exc}") from None
+        self.scheduler.kv_cache_manager.tier = DiskTier(store, kv)
+        atexit.register(store.close)  # what is still queued reaches the disk on a clean exit
+        return store
+
+    def close(self) -> None:
+        """Finish what must outlive the engine: blocks queued for the prefix cache's disk tier."""
+        if self.prefix_store is not None:
+            self.prefix_store.close()
+            atexit.unregister(self.prefix_store.close)
 
     @property
     def grammars(self) -> GrammarCompiler:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvflow.engine.block_pool import BlockPool, KVBlock, hash_block_tokens
+from kvflow.engine.prefix_tier import DiskTier
 from kvflow.engine.request import Request
 
 MISS_REASONS = ("no_shared_prefix", "prefix_shorter_than_block", "evicted")
@@ -33,7 +34,8 @@ class PrefixCacheStats:
 
     lookups: int = 0
     queried_tokens: int = 0
-    hit_tokens: int = 0
+    hit_tokens: int = 0  # both tiers'
+    disk_hit_tokens: int = 0  # of those, read back from the disk tier
     misses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MISS_REASONS, 0))
 
     @property
@@ -41,7 +43,7 @@ class PrefixCacheStats:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
     def reset(self) -> None:
-        self.lookups = self.queried_tokens = self.hit_tokens = 0
+        self.lookups = self.queried_tokens = self.hit_tokens = self.disk_hit_tokens = 0
         self.misses = dict.fromkeys(MISS_REASONS, 0)
 
 
@@ -61,6 +63,7 @@ class KVCacheManager:
         self._num_cached_blocks: dict[str, int] = {}  # how many leading blocks of each request are hashed
         self._num_dropped: dict[str, int] = {}  # leading table entries already replaced by the null block
         self.stats = PrefixCacheStats()
+        self.tier: DiskTier | None = None  # the prefix cache's disk tier (engine/prefix_tier.py), if any
 
     # ---- sizes and counters -------------------------------------------------------------------------
     @property
@@ -121,8 +124,38 @@ class KVCacheManager:
             return [], 0
         max_blocks = self.max_hit_blocks(request)
         num_hits = self.longest_hit(request, max_blocks)
+        if num_hits < max_blocks and self.tier is not None and self._load_from_tier(request, num_hits, max_blocks):
+            num_hits = self.longest_hit(request, max_blocks)
         self.record_lookup(request, num_hits, max_blocks)
         return self.hit_block_ids(request, num_hits), num_hits * self.block_size
+
+    def _load_from_tier(self, request: Request, start: int, limit: int) -> int:
+        """Bring the blocks after the request's first `start` (cached) ones back from the disk tier, as
+        many as follow in a row there (fewer when the pool is short). They enter the prefix cache as free
+        cached blocks, so the lookup then finds them like any other hit. Returns how many came back."""
+        hashes, tier = request.block_hashes, self.tier
+        n = 0
+        while start + n < limit and self.pool.get_cached_block(hashes[start + n]) is None \
+                and hashes[start + n] in tier:
+            n += 1
+        held = [self.pool.get_cached_block(h) for h in hashes[:start]]
+        spare = self.pool.num_free_blocks - sum(1 for b in held if b.ref_cnt == 0)
+        if self.blocks_needed(request.num_tokens) - start > spare:  # busy pool: leave a block to compute in
+            n = min(n, spare - 1)
+        if n <= 0:
+            return 0
+        self.pool.touch(held)  # so that taking blocks for the load cannot evict the hits before it
+        fresh = self.pool.get_new_blocks(n)
+        bs, tokens = self.block_size, request.all_token_ids
+        spans = [tokens[i * bs:(i + 1) * bs] for i in range(start, start + n)]
+        loaded = tier.load(hashes[start:start + n], [b.block_id for b in fresh], spans)
+        for i in range(loaded):
+            self.pool.cache_full_block(fresh[i], hashes[start + i], spans[i])
+        self.pool.free_blocks(reversed(fresh))
+        self.pool.free_blocks(reversed(held))
+        self.stats.disk_hit_tokens += loaded * bs
+        request.num_disk_hit_tokens += loaded * bs
+        return loaded
 
     def max_hit_blocks(self, request: Request) -> int:
         self._update_block_hashes(request, request.num_tokens)
@@ -172,13 +205,17 @@ class KVCacheManager:
         if num_full <= start:
             return
         self._update_block_hashes(request, num_full * self.block_size)
-        bs = self.block_size
+        bs, hashes = self.block_size, request.block_hashes
+        new = []
         for i in range(start, num_full):
             if blocks[i] is self.null_block:
                 continue
             tokens = request.all_token_ids[i * bs : (i + 1) * bs]
-            self.pool.cache_full_block(blocks[i], request.block_hashes[i], tokens)
+            if self.pool.cache_full_block(blocks[i], hashes[i], tokens):
+                new.append((blocks[i].block_id, hashes[i], hashes[i - 1] if i else None, tokens))
         self._num_cached_blocks[request.request_id] = num_full
+        if new and self.tier is not None:  # their K/V is computed: a copy goes to the disk tier
+            self.tier.save(new)
 
     # ---- allocation ---------------------------------------------------------------------------------
     def allocate_slots(

@@ -87,6 +87,7 @@ class Request:
         self.max_tokens: int | None = sampling_params.max_tokens
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit tokens at first scheduling; -1 before
+        self.num_disk_hit_tokens = 0  # tokens whose K/V the prefix cache's disk tier brought back
         self.status = RequestStatus.WAITING
         # What stopped it: a stop token id, a stop string (set by the detokenizer), or None
         # (EOS, length, abort), as in vLLM's OpenAI `stop_reason`.
@@ -197,6 +198,7 @@ class RequestGroup:
             token_times=list(times),
             num_prompt_tokens=len(self.prompt_token_ids),
             num_cached_tokens=max(first.num_cached_tokens, 0),
+            num_disk_cached_tokens=first.num_disk_hit_tokens,
             num_generated_tokens=sum(s.request.num_output_tokens for s in self.sequences),
             num_preemptions=sum(s.request.num_preemptions for s in self.sequences),
             num_draft_tokens=sum(s.request.num_draft_tokens for s in self.sequences),

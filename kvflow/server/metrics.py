@@ -51,6 +51,22 @@ class _EngineCollector(Collector):
             ("kvflow:prefix_cache_hits", "Tokens found in the prefix cache.", s.prefix_hit_tokens),
             ("kvflow:engine_steps", "Engine steps since start.", s.num_steps),
         ]
+        if s.disk_store is not None:  # the prefix cache's disk tier (--prefix-cache-dir)
+            d = s.disk_store
+            counters += [
+                ("kvflow:prefix_cache_disk_hits", "Tokens read back from the prefix cache's disk tier.",
+                 s.prefix_disk_hit_tokens),
+                ("kvflow:prefix_cache_disk_writes", "Blocks written to the disk tier.", d.writes),
+                ("kvflow:prefix_cache_disk_refused", "Disk-tier blocks that failed a check and were deleted.",
+                 d.refused),
+                ("kvflow:prefix_cache_disk_evicted", "Disk-tier blocks removed to stay under its bound.", d.evicted),
+                ("kvflow:prefix_cache_disk_dropped", "Blocks not written because the write queue was full.",
+                 d.dropped),
+            ]
+            yield GaugeMetricFamily("kvflow:prefix_cache_disk_blocks", "Blocks in the disk tier.",
+                                    value=s.disk_store_blocks)
+            yield GaugeMetricFamily("kvflow:prefix_cache_disk_bytes", "Bytes in the disk tier.",
+                                    value=s.disk_store_bytes)
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
 

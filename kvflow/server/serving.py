@@ -322,6 +322,7 @@ def request_timings(outputs: Sequence[RequestOutput]) -> dict:
         known = [v for v in values if v is not None]
         timings[key] = round(max(known) * 1000, 3) if known else None
     timings["cached_tokens"] = sum(o.metrics.num_cached_tokens for o in outputs)
+    timings["disk_cached_tokens"] = sum(o.metrics.num_disk_cached_tokens for o in outputs)  # of those, from disk
     # Speculative decoding: guessed tokens verified, and those kept (their ratio is the acceptance rate).
     timings["spec_draft_tokens"] = sum(o.metrics.num_draft_tokens for o in outputs)
     timings["spec_accepted_tokens"] = sum(o.metrics.num_accepted_tokens for o in outputs)

@@ -3,7 +3,9 @@
 Arrivals at random steps, prompts sharing prefixes, random max_tokens, aborts at random steps, a small
 pool. Every request must end finished or aborted, no step may exceed its budget, reference counts stay
 non-negative, cached blocks hold the tokens their hashes name, the pool is whole again when idle, and
-every request that ran to the end produced exactly the greedy tokens it produces alone.
+every request that ran to the end produced exactly the greedy tokens it produces alone. Half the examples
+run with the prefix cache's disk tier, in one folder for the whole module, so blocks that earlier
+examples (earlier engines) wrote are read back; every file it holds must then pass its checks.
 """
 
 from __future__ import annotations
@@ -84,11 +86,16 @@ def check_pool(llm: LLM) -> None:
             parent = block_hash
 
 
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("prefix-store"))
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(workload=workloads())
-def test_random_workloads(workload, tiny_loaded, reference):
+@given(workload=workloads(), disk=st.booleans())
+def test_random_workloads(workload, disk, tiny_loaded, reference, store_dir):
     llm = LLM(loaded_model=tiny_loaded, num_blocks=BLOCKS, block_size=BLOCK, max_num_batched_tokens=BUDGET,
-              max_num_seqs=MAX_SEQS, long_prefill_token_threshold=8)
+              max_num_seqs=MAX_SEQS, long_prefill_token_threshold=8, prefix_cache_dir=store_dir if disk else None)
     engine = llm.engine
     schedule = engine.scheduler.schedule
     budgets = []
@@ -130,3 +137,11 @@ def test_random_workloads(workload, tiny_loaded, reference):
             assert completion.token_ids == expected
         else:
             assert completion.token_ids == expected[: len(completion.token_ids)]
+    if disk:
+        llm.close()
+        store = engine.prefix_store
+        assert store.stats.refused == 0
+        for block in engine.scheduler.kv_cache_manager.pool.blocks:
+            if block.block_hash is not None and block.block_hash in store:
+                stored = store.get(block.block_hash)
+                assert stored is not None and stored.token_ids == block.token_ids

@@ -44,8 +44,8 @@ def test_completion_shape_usage_and_timings(client, tiny_server):
     assert u.completion_tokens == 8 and u.total_tokens == u.prompt_tokens + 8
     assert u.prompt_tokens_details.cached_tokens >= 0
     timings = u.model_extra["kvflow_timings"]
-    assert set(timings) == {"queue_ms", "ttft_ms", "prefill_ms", "decode_ms", "cached_tokens", "spec_draft_tokens",
-                            "spec_accepted_tokens"}
+    assert set(timings) == {"queue_ms", "ttft_ms", "prefill_ms", "decode_ms", "cached_tokens", "disk_cached_tokens",
+                            "spec_draft_tokens", "spec_accepted_tokens"}
     assert timings["ttft_ms"] >= timings["prefill_ms"] >= 0 and timings["decode_ms"] > 0
     for name in ("queue-ms", "ttft-ms", "prefill-ms", "decode-ms", "cached-tokens"):
         assert f"x-kvflow-{name}" in raw.headers

@@ -218,7 +218,8 @@ function showTiming(answer, usage, finish) {
   const parts = [`queue ${ms(t.queue_ms)}`, `TTFT ${ms(t.ttft_ms)}`];
   let prefillRate = null;
   if (t.prefill_ms > 0) prefillRate = computed / (t.prefill_ms / 1000);
-  parts.push(`prefill ${fmt(prompt)} tokens (${fmt(cached)} from the prefix cache)` +
+  const fromDisk = t.disk_cached_tokens ? `, ${fmt(t.disk_cached_tokens)} of them from disk` : "";
+  parts.push(`prefill ${fmt(prompt)} tokens (${fmt(cached)} from the prefix cache${fromDisk})` +
              (prefillRate ? ` at ${fmt(prefillRate)} tok/s` : ""));
   let decodeRate = null;
   if (completion > 1 && t.decode_ms > 0) {
