@@ -46,6 +46,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-cache-disk", type=parse_bytes, default=None, metavar="SIZE",
                    help="bound of --prefix-cache-dir, e.g. 20GiB (default: 16GiB or half the free space)")
     g.add_argument("--no-chunked-prefill", action="store_true")
+    g.add_argument("--scheduling-policy", default=s.scheduling_policy, choices=["lpm", "fcfs"],
+                   help="which waiting request goes next: lpm, the one with the longest cached prefix (a few "
+                        "passes at most ahead of older ones), or fcfs, arrival order")
     g.add_argument("--quantization", default=None, choices=["none", "gguf", "int8", "int4"],
                    help="CPU weight-only: gguf keeps a GGUF's Q4_x/Q5_x/Q8_0/K-quant/IQ4 weights packed (the default for GGUF files "
                         "with --dtype auto on CPU); none: float weights; int8/int4 quantize a float checkpoint")
@@ -67,6 +70,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         enable_prefix_caching=not args.no_prefix_caching, enable_chunked_prefill=not args.no_chunked_prefill,
         prefix_cache_dir=args.prefix_cache_dir, prefix_cache_disk=args.prefix_cache_disk,
+        scheduling_policy=args.scheduling_policy,
         quantization=args.quantization, compile=args.compile, threads=args.threads, seed=args.seed, trace_file=args.trace,
         speculative_config=args.speculative_config,
     )

@@ -50,6 +50,10 @@ class SchedulerConfig:
     max_model_len: int = 8192  # filled from ModelConfig once the model is known
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # 0: no cap per request beyond the step budget
+    # Which waiting request is admitted next: "fcfs" (arrival order) or "lpm" (longest prefix match: the one
+    # with the most prompt tokens in the prefix cache, among the first LPM_WINDOW waiting, unless the head
+    # has been passed over LPM_MAX_PASSES times or was preempted; engine/scheduler.py).
+    scheduling_policy: str = "lpm"
 
 
 @dataclass
@@ -78,4 +82,6 @@ def engine_config(**options) -> EngineConfig:
         raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
     if config.cache.block_size < 1:
         raise ValueError("block_size must be >= 1")
+    if config.scheduler.scheduling_policy not in ("fcfs", "lpm"):
+        raise ValueError(f"scheduling_policy must be fcfs or lpm, got {config.scheduler.scheduling_policy!r}")
     return config

@@ -45,6 +45,9 @@ class KVCacheGroups:
         primary.record_lookup(request, num_hits, max_blocks)
         return [g.hit_block_ids(request, num_hits) for g in self.groups], num_hits * primary.block_size
 
+    def keep_for_waiting(self, request: Request) -> int:
+        return min(g.keep_for_waiting(request) for g in self.groups)
+
     def reset_prefix_cache(self) -> None:
         for g in self.groups:
             g.reset_prefix_cache()

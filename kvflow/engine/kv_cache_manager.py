@@ -157,6 +157,26 @@ class KVCacheManager:
         request.num_disk_hit_tokens += loaded * bs
         return loaded
 
+    def keep_for_waiting(self, request: Request) -> int:
+        """A request starts waiting: the cached blocks its prompt would hit move to the far end of the free
+        queue, so the blocks that running requests take meanwhile are others (least recently used first).
+        Returns the tokens it would hit now (in memory, or on the disk tier without reading it)."""
+        if not self.enable_prefix_caching or request.prompt_logits_from is not None:
+            return 0
+        max_blocks = self.max_hit_blocks(request)
+        num_hits = self.longest_hit(request, max_blocks)
+        queue = self.pool.free_queue
+        for block_id in reversed(self.hit_block_ids(request, num_hits)):  # its first block ends up last out
+            block = self.pool.blocks[block_id]
+            if block is not self.null_block and block.ref_cnt == 0:
+                queue.remove(block)
+                queue.append(block)
+        if self.tier is not None and not self.window:
+            hashes = request.block_hashes
+            while num_hits < max_blocks and hashes[num_hits] in self.tier:
+                num_hits += 1
+        return num_hits * self.block_size
+
     def max_hit_blocks(self, request: Request) -> int:
         self._update_block_hashes(request, request.num_tokens)
         return (request.num_tokens - 1) // self.block_size

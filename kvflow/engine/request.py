@@ -88,6 +88,10 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit tokens at first scheduling; -1 before
         self.num_disk_hit_tokens = 0  # tokens whose K/V the prefix cache's disk tier brought back
+        # While waiting: prompt tokens the prefix cache held when it arrived (the "lpm" policy's key), and
+        # how many times a later request was admitted ahead of it.
+        self.cached_prefix_hint = 0
+        self.num_passed_over = 0
         self.status = RequestStatus.WAITING
         # What stopped it: a stop token id, a stop string (set by the detokenizer), or None
         # (EOS, length, abort), as in vLLM's OpenAI `stop_reason`.

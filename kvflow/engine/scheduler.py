@@ -2,8 +2,10 @@
 
 A request needs `num_tokens - num_computed_tokens` tokens computed. Each step, running requests are
 served first (a decode costs one token, a prompt still being prefilled gets a chunk), then waiting
-requests in arrival order fill what is left of the budget. Prefix-cache hits count as computed for
-free. When the pool runs out of blocks for a running request, the most recently arrived running
+requests fill what is left of the budget: in arrival order ("fcfs"), or by default the one whose prompt
+the prefix cache holds most of first ("lpm": an agent's next turn does not queue behind a cold prompt),
+never passing over a request more than LPM_MAX_PASSES times. Prefix-cache hits count as computed for
+free, and the blocks a waiting request will hit are the last the pool gives away meanwhile. When the pool runs out of blocks for a running request, the most recently arrived running
 request is preempted: it drops its blocks and its progress and waits, first in line, to be recomputed.
 
 Progress is advanced in `schedule()`: once a chunk is handed to the runner, num_computed_tokens already
@@ -22,6 +24,10 @@ from kvflow.engine.request import Request, RequestStatus, now
 from kvflow.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 
 PROMPT_LOGITS_CHUNK = 512  # at most this many prompt tokens a step for a request that wants their logits
+# The "lpm" policy looks this far down the waiting queue for the longest cached prefix, and admits the head
+# anyway once this many later requests have gone ahead of it (SGLang's lpm, with a bound on the wait).
+LPM_WINDOW = 32
+LPM_MAX_PASSES = 8
 
 
 def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
@@ -83,6 +89,7 @@ class Scheduler:
         self._resolve_max_tokens(request)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
+        request.cached_prefix_hint = self.kv_cache_manager.keep_for_waiting(request)
         self.waiting.append(request)
 
     def _resolve_max_tokens(self, request: Request) -> None:
@@ -170,6 +177,7 @@ class Scheduler:
         if copies is None:
             child.num_computed_tokens = 0
             child.status = RequestStatus.WAITING
+            child.cached_prefix_hint = self.kv_cache_manager.keep_for_waiting(child)
             self.waiting.appendleft(child)
             return
         child.num_computed_tokens = parent.num_computed_tokens
@@ -260,16 +268,16 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
             and len(out.scheduled) < self.config.max_num_seqs
         ):
-            request = self.waiting[0]
+            request = self._next_waiting()
             if request.prompt_logits_from is None:
                 hit_block_ids, num_hit_tokens = kv.get_computed_blocks(request)
             else:  # cached blocks hold K/V but no logits: the prompt is computed again
                 hit_block_ids, num_hit_tokens = None, 0
             num_new = self._chunk_size(request, request.num_tokens - num_hit_tokens, budget)
-            # Strict arrival order: if the head cannot run, nothing behind it jumps the queue.
+            # If the request chosen cannot run, nothing else jumps the queue.
             if num_new == 0 or not kv.allocate_slots(request, num_new, hit_block_ids):
                 break
-            self.waiting.popleft()
+            self._admit(request)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
@@ -280,6 +288,30 @@ class Scheduler:
             self._add_scheduled(out, request, num_new)
             budget -= num_new
         return budget
+
+    def _next_waiting(self) -> Request:
+        """The waiting request to admit next (see the module's docstring)."""
+        head = self.waiting[0]
+        if (self.config.scheduling_policy == "fcfs" or len(self.waiting) == 1 or head.num_passed_over >= LPM_MAX_PASSES
+                or head.status == RequestStatus.PREEMPTED):
+            return head
+        best = head
+        for i, request in enumerate(self.waiting):
+            if i == LPM_WINDOW:
+                break
+            if request.cached_prefix_hint > best.cached_prefix_hint:
+                best = request
+        return best
+
+    def _admit(self, request: Request) -> None:
+        if request is self.waiting[0]:
+            self.waiting.popleft()
+            return
+        for earlier in self.waiting:
+            if earlier is request:
+                break
+            earlier.num_passed_over += 1
+        self.waiting.remove(request)
 
     def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int,
                        drafts: tuple[int, ...] = ()) -> None:
