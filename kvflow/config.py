@@ -32,7 +32,7 @@ class CacheConfig:
 
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None: a share of free memory
-    kv_cache_dtype: str = "auto"  # auto (the model dtype) | float32 | bfloat16 | float16
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | float32 | bfloat16 | float16 | int8 (CPU; kv_int8.py)
     enable_prefix_caching: bool = True
     # The prefix cache's disk tier (engine/prefix_store.py): full blocks saved under this folder, found again
     # after an eviction or a restart; bounded by prefix_cache_disk bytes (None: 16 GiB or half the free space).

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvflow.layers.attention import reference
+from kvflow.layers.attention import kv_int8, reference
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -26,8 +26,11 @@ class PagedBatch:
     query_lens_cpu: list[int]
 
     def reference_output(self, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
-        """write_kv + paged_attention on copies of the caches, in float32."""
-        k_cache, v_cache = self.k_cache.float().clone(), self.v_cache.float().clone()
+        """write_kv + paged_attention on copies of the caches, in float32 (an 8-bit cache dequantized)."""
+        if kv_int8.is_int8(self.k_cache):
+            k_cache, v_cache = kv_int8.dequantize(self.k_cache), kv_int8.dequantize(self.v_cache)
+        else:
+            k_cache, v_cache = self.k_cache.float().clone(), self.v_cache.float().clone()
         reference.write_kv(self.k.float(), self.v.float(), k_cache, v_cache, self.slot_mapping)
         starts = self.query_start_loc.tolist()
         return reference.paged_attention(
@@ -72,12 +75,17 @@ def make_paged_batch(
     def rand(*s):
         return torch.randn(*s, generator=g).to(dtype)
 
+    def cache():
+        if cache_dtype == torch.int8:  # written as the kernels write it: values and their scales
+            return kv_int8.quantize(rand(*shape)).to(device)
+        return rand(*shape).to(cache_dtype or dtype).to(device)
+
     return PagedBatch(
         q=rand(total, num_kv_heads * group, head_dim).to(device),
         k=rand(total, num_kv_heads, head_dim).to(device),
         v=rand(total, num_kv_heads, head_dim).to(device),
-        k_cache=rand(*shape).to(cache_dtype or dtype).to(device),
-        v_cache=rand(*shape).to(cache_dtype or dtype).to(device),
+        k_cache=cache(),
+        v_cache=cache(),
         block_tables=tables.to(device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),

@@ -119,7 +119,7 @@ def run_latency(
         engine_options["kv_cache_memory"] = int(2 * max(batches) * longest * shape.kv_bytes_per_token(elem))
     llm = LLM(loaded_model=loaded, **engine_options)
     weight_bytes = weight_bytes_read_per_step(loaded.model)
-    kv_bytes = shape.kv_bytes_per_token(llm.engine.runner.kv_dtype.itemsize)
+    kv_bytes = shape.kv_bytes_per_token(llm.engine.runner.kv_element_bytes)
     if probe is None:
         probe = load_probe()
     if probe is None:  # no saved probe yet: measure one (a few seconds) and keep it for next time

@@ -1,4 +1,5 @@
-"""Size and allocate the paged KV cache: one K and one V tensor per layer, [blocks, block_size, kv_heads, head_dim]."""
+"""Size and allocate the paged KV cache: one K and one V tensor per layer, [blocks, block_size, kv_heads, head_dim]
+(head_dim + 4 for an 8-bit cache: each row's scale follows it)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import math
 import torch
 
 from kvflow.kernels.huge_pages import huge_page_zeros
+from kvflow.layers.attention import kv_int8
 from kvflow.models.arch import ArchConfig
 
 log = logging.getLogger("kvflow")
@@ -18,9 +20,14 @@ CPU_DEFAULT_CAP = 4 << 30
 CUDA_DEFAULT_SHARE = 0.85  # of free device memory once the model is loaded
 
 
+def row_width(arch: ArchConfig, dtype: torch.dtype) -> int:
+    """A cache row's last dimension: head_dim values, and an 8-bit cache's scale (layers/attention/kv_int8.py)."""
+    return arch.head_dim + (kv_int8.SCALE_BYTES if dtype == torch.int8 else 0)
+
+
 def bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * elem
+    return 2 * arch.num_layers * block_size * arch.num_kv_heads * row_width(arch, dtype) * elem
 
 
 def default_kv_cache_memory(device: torch.device, cuda_reserve: int = 0) -> int:
@@ -62,7 +69,7 @@ def allocate_kv_cache(
     zeros = _untouched_zeros if device.type == "cpu" else functools.partial(torch.zeros, device=device)
     caches = []
     for i in range(arch.num_layers):
-        shape = (sizes[arch.layer_kv_group(i)], block_size, arch.num_kv_heads, arch.head_dim)
+        shape = (sizes[arch.layer_kv_group(i)], block_size, arch.num_kv_heads, row_width(arch, dtype))
         caches.append((zeros(shape, dtype=dtype), zeros(shape, dtype=dtype)))
     return caches
 

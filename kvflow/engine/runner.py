@@ -22,6 +22,7 @@ from kvflow.engine.kv_cache_alloc import (
 )
 from kvflow.executors.model_setup import LoadedModel, build_executor
 from kvflow.executors.plan import DTYPES
+from kvflow.layers.attention import kv_int8
 from kvflow.layers.attention.metadata import AttentionMetadata
 
 log = logging.getLogger("kvflow")
@@ -81,9 +82,15 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         if cache_config.kv_cache_dtype == "auto":
             self.kv_dtype = loaded.kv_cache_dtype or loaded.dtype
+        elif cache_config.kv_cache_dtype == "int8":
+            if self.device.type != "cpu":
+                raise ValueError("kv_cache_dtype int8 runs on the CPU kernels only, for now")
+            self.kv_dtype = torch.int8
         else:
             self.kv_dtype = DTYPES[cache_config.kv_cache_dtype]
         arch = loaded.arch
+        # Bytes a K or V value takes in the cache (an 8-bit cache's scales included): for rooflines.
+        self.kv_element_bytes = kv_int8.element_bytes(self.kv_dtype, arch.head_dim)
         self.group_windows = arch.kv_group_windows  # KV cache groups (engine/kv_cache_groups.py)
         if cache_config.num_blocks is None:
             memory = cache_config.kv_cache_memory or default_kv_cache_memory(self.device, GRAPH_RESERVE)

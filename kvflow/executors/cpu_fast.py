@@ -32,6 +32,7 @@ class CpuFastExecutor(LayersExecutor):
         head_dim = loaded.arch.head_dim
         windowed = any(a.window or a.softcap for a in self.model.attention_layers)  # not on tiles
         self.prompt_tiles = (loaded.plan.cpu_tier == "amx" and head_dim in (64, 128) and not windowed
+                             and kv_caches[0][0].dtype != torch.int8  # the tiles read 16- and 32-bit caches
                              and abi.native() is not None and abi.native().kvflow_packed_matmul_path() == 5)
         self._matmul = abi.KvflowDenseMatmul(self._dense_matmul)  # kept alive: C holds its address
         self._dense_io: list | None = None  # this step's (inputs, outputs) per projection, for the callback

@@ -11,8 +11,9 @@ import ctypes
 import torch
 
 from kvflow.kernels import abi
+from kvflow.layers.attention import kv_int8
 
-CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}  # int8: layers/attention/kv_int8.py
 
 
 def available() -> bool:
@@ -36,13 +37,13 @@ def step_struct(slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_l
 
 def layer_struct(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float, window: int = 0,
                  softcap: float = 0.0) -> abi.KvflowAttention:
-    """One layer's paged cache [blocks, block_size, kv_heads, head_dim] as the kernels read it; window > 0
-    for a sliding-window layer, softcap > 0 for capped scores."""
+    """One layer's paged cache [blocks, block_size, kv_heads, head_dim] (head_dim + 4 bytes for an 8-bit
+    cache) as the kernels read it; window > 0 for a sliding-window layer, softcap > 0 for capped scores."""
     if k_cache.dtype not in CACHE_DTYPES or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("the CPU kernels take contiguous float32, bfloat16 or float16 caches")
+        raise ValueError("the CPU kernels take contiguous float32, bfloat16, float16 or int8 caches")
     return abi.KvflowAttention(k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
                                cache_dtype=CACHE_DTYPES[k_cache.dtype], block_size=k_cache.shape[1],
-                               num_heads=num_heads, num_kv_heads=k_cache.shape[2], head_dim=k_cache.shape[3],
+                               num_heads=num_heads, num_kv_heads=k_cache.shape[2], head_dim=kv_int8.head_dim_of(k_cache),
                                scale=scale, window=window, softcap=softcap)
 
 

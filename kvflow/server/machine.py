@@ -23,7 +23,7 @@ log = logging.getLogger("kvflow")
 
 
 class MachineLimits:
-    def __init__(self, loaded, kv_dtype_bytes: int) -> None:
+    def __init__(self, loaded, kv_dtype_bytes: float) -> None:
         shape = ModelShape.from_hf_config(loaded.arch.raw)
         self.device = loaded.device.type
         self.model = {

@@ -78,7 +78,7 @@ class ServerState:
         if self._machine is None:
             from kvflow.server.machine import MachineLimits
 
-            self._machine = MachineLimits(self.engine.engine.loaded, self.engine.engine.runner.kv_dtype.itemsize)
+            self._machine = MachineLimits(self.engine.engine.loaded, self.engine.engine.runner.kv_element_bytes)
         return self._machine
 
     @property

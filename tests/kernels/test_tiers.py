@@ -20,6 +20,7 @@ from paged_batch import make_paged_batch
 from kvflow import SamplingParams
 from kvflow.executors.thresholds import ROW_THRESHOLDS
 from kvflow.kernels import abi, cpu_features, packed_matmul, paged_attention
+from kvflow.layers.attention import kv_int8, reference
 from kvflow.layers.quant import quantize_weight
 
 # Every tier's library is built here from the same sources: only a machine without a C++ compiler skips.
@@ -88,14 +89,17 @@ def attend(lib, batch, all_rows: bool, threads: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("tier", TIERS)
 @pytest.mark.parametrize("head_dim", [64, 128, 40])  # the fixed-size paths and the plain loops
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8])
 def test_paged_attention_on_every_tier(tier, head_dim, cache_dtype):
     lib = library(tier)
     batch = make_paged_batch([40, 21, 9, 300, 2049], [7, 1, 9, 130, 1], num_kv_heads=2, group=3,
                              head_dim=head_dim, block_size=16, dtype=torch.float32, device=torch.device("cpu"),
                              cache_dtype=cache_dtype)
     new_k, new_v = batch.k, batch.v
-    batch.k, batch.v = batch.k.to(cache_dtype).float(), batch.v.to(cache_dtype).float()  # as stored
+    if cache_dtype == torch.int8:  # as stored: the kernel quantizes this step's rows as kv_int8.py does
+        batch.k, batch.v = kv_int8.dequantize(kv_int8.quantize(new_k)), kv_int8.dequantize(kv_int8.quantize(new_v))
+    else:
+        batch.k, batch.v = batch.k.to(cache_dtype).float(), batch.v.to(cache_dtype).float()
     expected = batch.reference_output(scale=0.125)
     batch.k, batch.v = new_k, new_v
     out = attend(lib, batch, all_rows=True, threads=2)
@@ -105,12 +109,35 @@ def test_paged_attention_on_every_tier(tier, head_dim, cache_dtype):
     alone = make_paged_batch([21], [1], num_kv_heads=2, group=3, head_dim=head_dim, block_size=16,
                              dtype=torch.float32, device=torch.device("cpu"), cache_dtype=cache_dtype)
     alone.q, alone.k, alone.v = batch.q[7:8], batch.k[7:8], batch.v[7:8]
+    width = batch.k_cache.shape[-1]
     for p in range(20):
         src = batch.block_tables[1, p // 16] * 16 + p % 16
         dst = alone.block_tables[0, p // 16] * 16 + p % 16
-        alone.k_cache.view(-1, 2, head_dim)[dst] = batch.k_cache.view(-1, 2, head_dim)[src]
-        alone.v_cache.view(-1, 2, head_dim)[dst] = batch.v_cache.view(-1, 2, head_dim)[src]
+        alone.k_cache.view(-1, 2, width)[dst] = batch.k_cache.view(-1, 2, width)[src]
+        alone.v_cache.view(-1, 2, width)[dst] = batch.v_cache.view(-1, 2, width)[src]
     assert torch.equal(attend(lib, alone, all_rows=True, threads=2)[0], out[7])
+
+
+def test_an_8_bit_cache_is_stored_as_kv_int8_writes_it():
+    """The kernel's quantization of new rows is bitwise kv_int8.quantize's (either side reads the other's)."""
+    batch = make_paged_batch([30, 5], [30, 5], num_kv_heads=2, group=3, head_dim=64, block_size=16,
+                             dtype=torch.float32, device=torch.device("cpu"), cache_dtype=torch.int8)
+    batch.k[0, 0] = 0.0  # an all-zero row: scale 0, values 0
+    for tier in TIERS:
+        k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+        reference.store_kv(batch.k, batch.v, k_cache, v_cache, batch.slot_mapping)
+        step = paged_attention.step_struct(batch.slot_mapping, batch.query_start_loc, batch.seq_lens,
+                                           batch.block_tables)
+        kernel_k, kernel_v = batch.k_cache.clone(), batch.v_cache.clone()
+        layer = paged_attention.layer_struct(kernel_k, kernel_v, 6, 0.125)
+        rows = abi.KvflowRows(q=batch.q.data_ptr(), q_stride=batch.q.stride(0), k=batch.k.data_ptr(),
+                              k_stride=batch.k.stride(0), v=batch.v.data_ptr(), v_stride=batch.v.stride(0))
+        out = torch.zeros(batch.q.shape)
+        assert library(tier).kvflow_paged_attention(
+            layer=ctypes.byref(layer), step=ctypes.byref(step), rows=ctypes.byref(rows), out=out.data_ptr(),
+            out_stride=out.stride(0), all_rows=1, num_threads=2) == 0
+        assert torch.equal(kernel_k, k_cache) and torch.equal(kernel_v, v_cache), tier
+        assert torch.all(kv_int8.dequantize(k_cache.view(-1, 2, 68)[batch.slot_mapping[0]])[0] == 0)
 
 
 def test_native_decoder_agrees_on_every_tier(fast_loaded):

@@ -30,17 +30,42 @@ constexpr int kRowBlock = 16;  // consecutive query rows of one sequence per wor
 constexpr int kPrefetchAhead = 16;
 constexpr int W = v::kLanes;
 
+// An 8-bit cache (T = int8_t) keeps each head's row as head_dim values followed by their float32 scale
+// (absmax / 127, one per token and KV head): a value is int8 * scale. The scale is applied once per row,
+// not per value: a score is (q . k_int8) * k_scale * scale, and a V row is added with weight
+// p * v_scale. Every path does it in that order (for other caches the row scale is 1, which changes no
+// bit), so a row's result is still bitwise the same whichever path computes it.
+template <typename T>
+constexpr bool kScaled = std::is_same_v<T, int8_t>;
+
+template <typename T>
+constexpr int64_t head_stride(int d) {  // from one KV head's row to the next, in T elements
+  return kScaled<T> ? d + 4 : d;
+}
+
+template <typename T>
+inline float row_scale(const T* row, int d) {
+  if constexpr (kScaled<T>) {
+    float scale;
+    std::memcpy(&scale, row + d, 4);
+    return scale;
+  } else {
+    return 1.f;
+  }
+}
+
 // Dot products and row updates over head_dim values, in any storage type. A vector dot product sums as
 // a tree over lanes; a plain loop would make the compiler add lanes one after another (it may not
 // reassociate float adds), which costs more than the multiplies.
 template <typename T>
-inline float dot(const float* q, const T* k, int d) {
-  return v::dot(q, k, d);
+inline float dot(const float* q, const T* k, int d) {  // times the row's scale (an 8-bit cache's)
+  return kScaled<T> ? v::dot(q, k, d) * row_scale(k, d) : v::dot(q, k, d);
 }
 
 template <typename T>
-inline void add_scaled(float* acc, float w, const T* x, int d) {  // acc += w * x
+inline void add_scaled(float* acc, float w, const T* x, int d) {  // acc += w * x (x scaled by its row's scale)
   int i = 0;
+  w *= row_scale(x, d);
   const v::vf wv = v::set1(w);
   for (; i + W <= d; i += W) v::store(acc + i, v::fmadd(wv, v::load(x + i), v::load(acc + i)));
   for (; i < d; ++i) acc[i] += w * widen(x[i]);
@@ -52,6 +77,12 @@ template <typename T>
 inline void store_row(const float* src, T* dst, int d) {
   if constexpr (std::is_same_v<T, float>) {
     std::memcpy(dst, src, sizeof(float) * d);
+  } else if constexpr (kScaled<T>) {  // symmetric: the largest magnitude becomes 127 (as kv_int8.py does)
+    float amax = 0.f;
+    for (int i = 0; i < d; ++i) amax = std::fabs(src[i]) > amax ? std::fabs(src[i]) : amax;
+    const float inv = amax > 0.f ? 127.f / amax : 0.f, scale = amax / 127.f;
+    for (int i = 0; i < d; ++i) dst[i] = static_cast<int8_t>(std::nearbyint(src[i] * inv));
+    std::memcpy(dst + d, &scale, 4);
   } else {
     int i = 0;
     for (; i + W <= d; i += W) v::store(dst + i, v::load(src + i));
@@ -116,14 +147,14 @@ void attend_chunk(const float* q, const T* k_cache, const T* v_cache, const int3
                   int masked, const Shape& s, float* scores, int64_t* offsets, float* max_out, float* sum_out,
                   float* acc_out) {
   const int d = s.head_dim, g = s.group, hkv = s.num_kv_heads, n = hi - lo;
-  const int64_t token_stride = static_cast<int64_t>(hkv) * d;
+  const int64_t hs = head_stride<T>(d), token_stride = hkv * hs;
   chunk_offsets(table, lo, n, s.block_size, token_stride, offsets);
   for (int kv = 0; kv < hkv; ++kv) {
     for (int j = 0; j < g; ++j) {
       const int h = kv * g + j;
       float* sc = scores + h * kMaxChunk;
       for (int p = 0; p < n; ++p)
-        sc[p] = dot(q + h * d, k_cache + offsets[p] + kv * d, d) * s.scale;
+        sc[p] = dot(q + h * d, k_cache + offsets[p] + kv * hs, d) * s.scale;
       cap_and_mask(sc, n, masked, s.softcap);
       const float m = largest(sc, n);
       max_out[h] = m;
@@ -136,7 +167,7 @@ void attend_chunk(const float* q, const T* k_cache, const T* v_cache, const int3
       const int h = kv * g + j;
       const float* sc = scores + h * kMaxChunk;
       for (int p = 0; p < n; ++p)
-        add_scaled(acc_out + h * d, sc[p], v_cache + offsets[p] + kv * d, d);
+        add_scaled(acc_out + h * d, sc[p], v_cache + offsets[p] + kv * hs, d);
     }
   }
 }
@@ -188,9 +219,10 @@ inline void weighted_values(const T* v_head, const int64_t* offsets, int n, cons
   v::vf acc[J][V];
   for (int j = 0; j < J; ++j)
     for (int k = 0; k < V; ++k) acc[j][k] = v::zero();
-  constexpr int kLines = (D * static_cast<int>(sizeof(T)) + 63) / 64;
+  constexpr int kLines = (head_stride<T>(D) * static_cast<int>(sizeof(T)) + 63) / 64;
   for (int i = 0; i < n; ++i) {
     const T* row = v_head + offsets[i];
+    const float row_weight = row_scale(row, D);
     if (i + kPrefetchAhead < n) {  // fetched here, not while scoring: a chunk's K rows would evict them first
       const char* ahead = reinterpret_cast<const char*>(v_head + offsets[i + kPrefetchAhead]);
       for (int line = 0; line < kLines; ++line) __builtin_prefetch(ahead + 64 * line, 0, 3);
@@ -198,7 +230,7 @@ inline void weighted_values(const T* v_head, const int64_t* offsets, int n, cons
     v::vf x[V];
     for (int k = 0; k < V; ++k) x[k] = v::load(row + W * k);
     for (int j = 0; j < J; ++j) {
-      const v::vf w = v::set1(sc[j * kMaxChunk + i]);
+      const v::vf w = v::set1(sc[j * kMaxChunk + i] * row_weight);
       for (int k = 0; k < V; ++k) acc[j][k] = v::fmadd(w, x[k], acc[j][k]);
     }
   }
@@ -208,10 +240,10 @@ inline void weighted_values(const T* v_head, const int64_t* offsets, int n, cons
 
 // One position's score the one-at-a-time way: the per-lane FMA chain over D values, then reduce_add.
 template <typename T, int D>
-inline float lane_dot(const float* q, const T* k) {
+inline float lane_dot(const float* q, const T* k) {  // times the row's scale, as dot
   v::vf a = v::mul(v::load(q), v::load(k));
   for (int c = 1; c < D / W; ++c) a = v::fmadd(v::load(q + W * c), v::load(k + W * c), a);
-  return v::reduce_add(a);
+  return v::reduce_add(a) * row_scale(k, D);
 }
 
 // Each of g heads' softmax parts (scores kMaxChunk apart, up to four heads at a time).
@@ -251,14 +283,14 @@ void attend_kv_head(const float* q, const T* k_cache, const T* v_cache, const in
   using B = Blocking<D>;
   constexpr int V = B::V, P = B::P;
   const int g = s.group;
-  const T* k_head = k_cache + kv * D;
-  const T* v_head = v_cache + kv * D;
+  const T* k_head = k_cache + kv * head_stride<T>(D);
+  const T* v_head = v_cache + kv * head_stride<T>(D);
   const float* q_group = q + static_cast<int64_t>(kv) * g * D;
   float* sc_group = scores + kv * g * kMaxChunk;
   int p = 0;
   for (; p + P <= n; p += P) {
     {  // fetch K rows ahead (V rows: weighted_values fetches its own)
-      constexpr int kLines = (D * static_cast<int>(sizeof(T)) + 63) / 64;
+      constexpr int kLines = (head_stride<T>(D) * static_cast<int>(sizeof(T)) + 63) / 64;
       for (int i = 0; i < P; ++i) {
         const int ahead = p + i + kPrefetchAhead < n ? p + i + kPrefetchAhead : p + i;
         const char* k_next = reinterpret_cast<const char*>(k_head + offsets[ahead]);
@@ -266,8 +298,12 @@ void attend_kv_head(const float* q, const T* k_cache, const T* v_cache, const in
       }
     }
     v::vf k[P][V];
-    for (int i = 0; i < P; ++i)
-      for (int c = 0; c < V; ++c) k[i][c] = v::load(k_head + offsets[p + i] + W * c);
+    float k_scales[4];
+    for (int i = 0; i < P; ++i) {
+      const T* row = k_head + offsets[p + i];
+      k_scales[i] = row_scale(row, D);
+      for (int c = 0; c < V; ++c) k[i][c] = v::load(row + W * c);
+    }
     for (int j = 0; j < g; ++j) {
       const float* qj = q_group + j * D;
       v::vf a[4];
@@ -279,7 +315,7 @@ void attend_kv_head(const float* q, const T* k_cache, const T* v_cache, const in
       float sums[4];
       v::reduce4(a[0], a[1], a[2], a[3], sums);
       float* sc = sc_group + j * kMaxChunk + p;
-      for (int i = 0; i < P; ++i) sc[i] = sums[i] * s.scale;
+      for (int i = 0; i < P; ++i) sc[i] = sums[i] * k_scales[i] * s.scale;
     }
   }
   for (; p < n; ++p)
@@ -303,9 +339,10 @@ inline int reduced_in_fours(int n) {
 // Scores of two query vectors (qa, qb) over float32 K rows k_head + at[p], p in [lo, hi) (hi rounded
 // up to four; at[] valid that far), each the per-lane FMA chain attend_kv_head runs: eight independent
 // chains, where one query's four positions alone leave the FMA units waiting on their latency.
+// k_scales[p]: an 8-bit cache's row scales (nullptr for other caches).
 template <int D>
 inline void score_two_queries(const float* qa, const float* qb, const float* k_head, const int64_t* at, int lo,
-                              int hi, float scale, float* sa, float* sb) {
+                              int hi, float scale, const float* k_scales, float* sa, float* sb) {
   constexpr int V = D / W;
   float sums[4];
   for (int p = lo; p < hi; p += 4) {
@@ -326,17 +363,25 @@ inline void score_two_queries(const float* qa, const float* qb, const float* k_h
       }
     }
     v::reduce4(a[0], a[1], a[2], a[3], sums);
-    for (int i = 0; i < 4; ++i) sa[p + i] = sums[i] * scale;
+    if (k_scales)
+      for (int i = 0; i < 4; ++i) sa[p + i] = sums[i] * k_scales[p + i] * scale;
+    else
+      for (int i = 0; i < 4; ++i) sa[p + i] = sums[i] * scale;
     v::reduce4(b[0], b[1], b[2], b[3], sums);
-    for (int i = 0; i < 4; ++i) sb[p + i] = sums[i] * scale;
+    if (k_scales)
+      for (int i = 0; i < 4; ++i) sb[p + i] = sums[i] * k_scales[p + i] * scale;
+    else
+      for (int i = 0; i < 4; ++i) sb[p + i] = sums[i] * scale;
   }
 }
 
 // Softmax-weighted float32 V rows for J query heads of one row (scores kMaxChunk apart, outputs D apart),
 // C vectors of the head at a time: each V vector loaded once for the J heads, the J * C accumulators in
-// registers. Per lane the same FMA sequence as weighted_values.
+// registers. Per lane the same FMA sequence as weighted_values. v_scales[p]: an 8-bit cache's row scales
+// (nullptr for other caches).
 template <int D, int J>
-inline void weighted_float_values(const float* v_head, const int64_t* at, int n, const float* sc, float* out) {
+inline void weighted_float_values(const float* v_head, const int64_t* at, int n, const float* sc,
+                                  const float* v_scales, float* out) {
   constexpr int V = D / W;
   constexpr int C = J * V + J + 1 <= v::kRegisters ? V : (J * (V / 2) + J + 1 <= v::kRegisters ? V / 2 : V / 4);
   static_assert(C >= 1 && V % C == 0, "head size must split into register blocks");
@@ -347,7 +392,7 @@ inline void weighted_float_values(const float* v_head, const int64_t* at, int n,
     for (int p = 0; p < n; ++p) {
       const float* row = v_head + at[p] + W * c0;
       v::vf w[J];
-      for (int j = 0; j < J; ++j) w[j] = v::set1(sc[j * kMaxChunk + p]);
+      for (int j = 0; j < J; ++j) w[j] = v::set1(v_scales ? sc[j * kMaxChunk + p] * v_scales[p] : sc[j * kMaxChunk + p]);
       for (int c = 0; c < C; ++c) {
         const v::vf x = v::load(row + W * c);
         for (int j = 0; j < J; ++j) acc[j][c] = v::fmadd(w[j], x, acc[j][c]);
@@ -373,30 +418,37 @@ inline void block_row_offsets(const int64_t* offsets, int n_max, int64_t* at) {
 
 // attend_kv_head for a run of rows of one sequence (a prefill block) over the same chunk, as a small
 // matrix product: the chunk's K and V rows of this KV head are widened to float32 once for all rows (in
-// `widened`, 2 * kMaxChunk * D floats; a float32 cache is read in place), then scored 64 positions at a
+// `widened`, 2 * kMaxChunk * D floats; a float32 cache is read in place; an 8-bit cache's row scales go
+// to `scales`, 2 * (kMaxChunk + 4) floats, and are applied per row as attend_kv_head does), then scored 64 positions at a
 // time (kept in L1) against every row's query heads two by two, and summed into values three heads at a
 // time. Each row's result is bitwise what attend_kv_head gives it alone. scores holds count * g heads'
 // scores (kMaxChunk apart); at, from block_row_offsets, locates positions [0, n_max rounded up to four).
 template <typename T, int D>
 void attend_kv_head_rows(const float* const* q_rows, const int* contexts, const int* starts, const size_t* part_at,
                          int count, const T* k_cache, const T* v_cache, const int64_t* offsets, int n_max, int lo,
-                         int len, int kv, const Shape& s, float* scores, float* widened, int64_t* at,
-                         float* part_max, float* part_sum, float* part_acc) {
+                         int len, int kv, const Shape& s, float* scores, float* widened, float* scales,
+                         int64_t* at, float* part_max, float* part_sum, float* part_acc) {
   constexpr int kSubBlock = 64;
   const int g = s.group;
   const int padded = (n_max + 3) / 4 * 4;
   const float *k_head, *v_head;
+  const float *k_scales = nullptr, *v_scales = nullptr;
   if constexpr (std::is_same_v<T, float>) {
     k_head = k_cache + kv * D, v_head = v_cache + kv * D;
   } else {
     float* kw = widened;
     float* vw = widened + kMaxChunk * D;
     for (int p = 0; p < n_max; ++p) {
-      const T* k = k_cache + offsets[p] + kv * D;
-      const T* x = v_cache + offsets[p] + kv * D;
+      const T* k = k_cache + offsets[p] + kv * head_stride<T>(D);
+      const T* x = v_cache + offsets[p] + kv * head_stride<T>(D);
       for (int c = 0; c < D; c += W) v::store(kw + p * D + c, v::load(k + c)), v::store(vw + p * D + c, v::load(x + c));
+      if constexpr (kScaled<T>) scales[p] = row_scale(k, D), scales[kMaxChunk + 4 + p] = row_scale(x, D);
     }
     k_head = kw, v_head = vw;
+    if constexpr (kScaled<T>) {
+      for (int p = n_max; p < padded; ++p) scales[p] = scales[0];  // the padding repeats position 0
+      k_scales = scales, v_scales = scales + kMaxChunk + 4;
+    }
   }
   // A row's positions in this chunk, counted from lo (none where the chunk ends before its window starts).
   auto positions = [&](int i) {
@@ -412,7 +464,7 @@ void attend_kv_head_rows(const float* const* q_rows, const int* contexts, const 
       const int n = positions(u / g) > positions(w / g) ? positions(u / g) : positions(w / g);
       const int hi = ((n < pe ? n : pe) + 3) / 4 * 4;
       if (hi > pb)
-        score_two_queries<D>(query(u), query(w), k_head, at, pb, hi, s.scale, scores + u * kMaxChunk,
+        score_two_queries<D>(query(u), query(w), k_head, at, pb, hi, s.scale, k_scales, scores + u * kMaxChunk,
                              scores + w * kMaxChunk);
     }
   }
@@ -422,7 +474,8 @@ void attend_kv_head_rows(const float* const* q_rows, const int* contexts, const 
     float* sc_row = scores + i * g * kMaxChunk;
     for (int j = 0; j < g; ++j)  // positions attend_kv_head reduces one by one
       for (int p = reduced_in_fours<D>(n); p < n; ++p)
-        sc_row[j * kMaxChunk + p] = lane_dot<float, D>(query(i * g + j), k_head + at[p]) * s.scale;
+        sc_row[j * kMaxChunk + p] = (k_scales ? lane_dot<float, D>(query(i * g + j), k_head + at[p]) * k_scales[p]
+                                               : lane_dot<float, D>(query(i * g + j), k_head + at[p])) * s.scale;
     const int masked = starts[i] > lo ? starts[i] - lo : 0;
     if (masked > 0 || s.softcap > 0.f)
       for (int j = 0; j < g; ++j) cap_and_mask(sc_row + j * kMaxChunk, n, masked, s.softcap);
@@ -432,9 +485,9 @@ void attend_kv_head_rows(const float* const* q_rows, const int* contexts, const 
       const float* sc = sc_row + j0 * kMaxChunk;
       float* out = part_acc + (heads + j0) * D;
       switch (g - j0 < 3 ? g - j0 : 3) {
-        case 1: weighted_float_values<D, 1>(v_head, at, n, sc, out); break;
-        case 2: weighted_float_values<D, 2>(v_head, at, n, sc, out); break;
-        default: weighted_float_values<D, 3>(v_head, at, n, sc, out); break;
+        case 1: weighted_float_values<D, 1>(v_head, at, n, sc, v_scales, out); break;
+        case 2: weighted_float_values<D, 2>(v_head, at, n, sc, v_scales, out); break;
+        default: weighted_float_values<D, 3>(v_head, at, n, sc, v_scales, out); break;
       }
     }
   }
@@ -461,18 +514,19 @@ void attend_rows(const float* const* q_rows, const int* contexts, const int* sta
       int longest = 0;
       for (int i = 0; i < count; ++i) longest = contexts[i] > longest ? contexts[i] : longest;
       const int n_max = (longest < lo + len ? longest : lo + len) - lo;
-      chunk_offsets(table, lo, n_max, s.block_size, static_cast<int64_t>(s.num_kv_heads) * D, offsets);
+      chunk_offsets(table, lo, n_max, s.block_size, s.num_kv_heads * head_stride<T>(D), offsets);
       if (count > 1) {
-        thread_local std::vector<float> widened, block_scores;
+        thread_local std::vector<float> widened, row_scales, block_scores;
         thread_local std::vector<int64_t> at;
         widened.resize(2 * kMaxChunk * D);
+        row_scales.resize(2 * (kMaxChunk + 4));
         block_scores.resize(static_cast<size_t>(count) * s.group * kMaxChunk);
         at.resize(kMaxChunk + 4);
         block_row_offsets<T, D>(offsets, n_max, at.data());
         for (int kv = kv_lo; kv < kv_hi; ++kv)
           attend_kv_head_rows<T, D>(q_rows, contexts, starts, part_at, count, k_cache, v_cache, offsets, n_max, lo,
-                                    len, kv, s, block_scores.data(), widened.data(), at.data(), part_max, part_sum,
-                                    part_acc);
+                                    len, kv, s, block_scores.data(), widened.data(), row_scales.data(), at.data(),
+                                    part_max, part_sum, part_acc);
         return;
       }
       for (int kv = kv_lo; kv < kv_hi; ++kv)

@@ -102,7 +102,7 @@ struct KvflowStep {
 };
 
 // One layer's paged cache ([slots, num_kv_heads, head_dim] in cache_dtype: 0 float32, 1 bfloat16, 2
-// float16) and its heads. window > 0: a row sees its last `window` positions only (itself included:
+// float16; 3 int8, each head's row followed by its float32 scale: [slots, num_kv_heads, head_dim + 4]) and its heads. window > 0: a row sees its last `window` positions only (itself included:
 // sliding-window layers); softcap > 0: scores are capped as softcap * tanh(score / softcap) (Gemma 2).
 struct KvflowAttention {
   void* k_cache;

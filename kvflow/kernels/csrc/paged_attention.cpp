@@ -60,11 +60,11 @@ void run(const KvflowRows& in, T* k_cache, T* v_cache, const KvflowStep& step, f
   const int32_t *query_start = step.query_start, *seq_lens = step.seq_lens, *tables = step.block_tables;
   const int num_tokens = step.num_tokens, num_seqs = step.num_seqs;
   const int d = s.head_dim, hkv = s.num_kv_heads, hq = hkv * s.group;
-  const int64_t token_stride = static_cast<int64_t>(hkv) * d;
+  const int64_t hs = head_stride<T>(d), token_stride = hkv * hs;
   for (int t = 0; t < num_tokens; ++t) {  // new K/V into their slots, before anyone reads them
     for (int h = 0; h < hkv; ++h) {
-      store_row(k_new + t * k_stride + h * d, k_cache + slots[t] * token_stride + h * d, d);
-      store_row(v_new + t * v_stride + h * d, v_cache + slots[t] * token_stride + h * d, d);
+      store_row(k_new + t * k_stride + h * d, k_cache + slots[t] * token_stride + h * hs, d);
+      store_row(v_new + t * v_stride + h * d, v_cache + slots[t] * token_stride + h * hs, d);
     }
   }
   // Query rows to attend: every one-token query, and with all_rows every row of every sequence (row r
@@ -191,6 +191,9 @@ extern "C" int32_t kvflow_paged_attention(const KvflowAttention* layer, const Kv
   else if (a.cache_dtype == 2)
     run(*rows, static_cast<kvflow::float16*>(a.k_cache), static_cast<kvflow::float16*>(a.v_cache), *step, out, out_stride, s,
         all_rows, num_threads);
+  else if (a.cache_dtype == 3)  // 8-bit values with a float32 scale per token and KV head (attention_rows.h)
+    run(*rows, static_cast<int8_t*>(a.k_cache), static_cast<int8_t*>(a.v_cache), *step, out, out_stride, s, all_rows,
+        num_threads);
   else
     return -1;
   return 0;

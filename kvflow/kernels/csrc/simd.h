@@ -50,6 +50,7 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch doe
 inline float widen(float x) { return x; }
 inline float widen(uint16_t x) { return bf16_to_float(x); }
 inline float widen(float16 x) { return static_cast<float>(x); }
+inline float widen(int8_t x) { return static_cast<float>(x); }  // an 8-bit cache's value, before its scale
 inline void narrow(float x, float* p) { *p = x; }
 inline void narrow(float x, uint16_t* p) { *p = float_to_bf16(x); }
 inline void narrow(float x, float16* p) { *p = static_cast<float16>(x); }
@@ -70,6 +71,7 @@ inline vf load(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 inline vf load(const float16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+inline vf load(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
 inline void store(float* p, vf v) { _mm512_storeu_ps(p, v); }
 inline void store(uint16_t* p, vf v) {
 #ifdef __AVX512BF16__
@@ -120,6 +122,7 @@ inline vf load(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
 inline vf load(const float16* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+inline vf load(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
 inline void store(float* p, vf v) { _mm256_storeu_ps(p, v); }
 inline void store(uint16_t* p, vf v) {
   alignas(32) float tmp[8];
@@ -166,6 +169,9 @@ using vf = float32x4_t;
 inline vf load(const float* p) { return vld1q_f32(p); }
 inline vf load(const uint16_t* p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)); }
 inline vf load(const float16* p) { return vcvt_f32_f16(vld1_f16(reinterpret_cast<const float16_t*>(p))); }
+inline vf load(const int8_t* p) {  // 4 values (reads 4 bytes more, inside an 8-bit cache's row: its scale follows)
+  return vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(vld1_s8(p)))));
+}
 inline void store(float* p, vf v) { vst1q_f32(p, v); }
 inline void store(uint16_t* p, vf v) {
   float tmp[4];
@@ -203,6 +209,7 @@ using vf = float;
 inline vf load(const float* p) { return *p; }
 inline vf load(const uint16_t* p) { return bf16_to_float(*p); }
 inline vf load(const float16* p) { return static_cast<float>(*p); }
+inline vf load(const int8_t* p) { return static_cast<float>(*p); }
 inline void store(float* p, vf v) { *p = v; }
 inline void store(uint16_t* p, vf v) { *p = float_to_bf16(v); }
 inline void store(float16* p, vf v) { *p = static_cast<float16>(v); }

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from kvflow.layers.attention import kv_int8
+
 
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -23,15 +25,18 @@ def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """write_kv without the padding check: every slot must be valid (the eager CPU path never pads)."""
+    if kv_int8.is_int8(k_cache):
+        k, v = kv_int8.quantize(k), kv_int8.quantize(v)
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first seq_len cached tokens of one sequence, [seq_len, Hkv, D]."""
+    """The first seq_len cached tokens of one sequence, [seq_len, Hkv, D] (an 8-bit cache's dequantized)."""
     block_size = cache.shape[1]
     n_blocks = (seq_len + block_size - 1) // block_size
-    return cache[block_table[:n_blocks].long()].flatten(0, 1)[:seq_len]
+    rows = cache[block_table[:n_blocks].long()].flatten(0, 1)[:seq_len]
+    return kv_int8.dequantize(rows) if kv_int8.is_int8(cache) else rows
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0,

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.kernels import abi, paged_attention
-from kvflow.layers.attention import reference
+from kvflow.layers.attention import kv_int8, reference
 from kvflow.layers.attention.metadata import AttentionMetadata
 
 
@@ -61,8 +61,9 @@ def _context(k_cache, v_cache, meta: AttentionMetadata, b: int, seq_len: int):
     first = meta.contiguous_first_block[b] if meta.contiguous_first_block else -1
     if first >= 0:
         n_blocks = (seq_len + k_cache.shape[1] - 1) // k_cache.shape[1]
-        return (k_cache[first : first + n_blocks].flatten(0, 1)[:seq_len],
-                v_cache[first : first + n_blocks].flatten(0, 1)[:seq_len])
+        k = k_cache[first : first + n_blocks].flatten(0, 1)[:seq_len]
+        v = v_cache[first : first + n_blocks].flatten(0, 1)[:seq_len]
+        return (kv_int8.dequantize(k), kv_int8.dequantize(v)) if kv_int8.is_int8(k_cache) else (k, v)
     table = meta.block_tables[b]
     return reference.gather_kv(k_cache, table, seq_len), reference.gather_kv(v_cache, table, seq_len)
 
@@ -120,7 +121,8 @@ class SDPABackend:
             decode_rows_done = True
         elif k_cache is not None:
             reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            if meta.is_decode_only and meta.num_seqs > 1 and _padding_is_cheap(meta) and not (window or softcap):
+            if (meta.is_decode_only and meta.num_seqs > 1 and _padding_is_cheap(meta) and not (window or softcap)
+                    and not kv_int8.is_int8(k_cache)):
                 return self._batched_decode(q, k_cache, v_cache, meta, scale)
         start = 0
         for b, (lq, lk) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
@@ -130,7 +132,9 @@ class SDPABackend:
                 continue
             if k_cache is None or lq == lk:  # nothing cached before this chunk: attend to fresh k/v
                 kb, vb = k[start:end], v[start:end]
-                if k_cache is not None and k_cache.dtype != q.dtype:
+                if k_cache is not None and kv_int8.is_int8(k_cache):  # as stored (below)
+                    kb, vb = (kv_int8.dequantize(kv_int8.quantize(t)).to(q.dtype) for t in (kb, vb))
+                elif k_cache is not None and k_cache.dtype != q.dtype:
                     # As stored: a later chunk reads these rounded values back, so a prompt's result
                     # must not depend on whether it was split.
                     kb, vb = kb.to(k_cache.dtype).to(q.dtype), vb.to(k_cache.dtype).to(q.dtype)
