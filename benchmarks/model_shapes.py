@@ -153,7 +153,7 @@ print(json.dumps({"pp": out["pp512"]["tokens_per_s"], "tg": out["tg128"]["tokens
 """
 
 
-def write_f16(shape: Shape, path: Path) -> None:
+def write_f16(shape: Shape, path: Path, context: int = 8192) -> None:
     """The shape's tensors, random (a pool of N(0, 0.02) float16 values, sliced at varying offsets), one
     tensor in memory at a time; norms are ones; the default model's tokenizer padded to shape.vocab."""
     import gguf
@@ -161,7 +161,7 @@ def write_f16(shape: Shape, path: Path) -> None:
     src = gguf.GGUFReader(str(default_gguf()))
     writer = gguf.GGUFWriter(str(path), shape.arch)
     writer.add_block_count(shape.layers)
-    writer.add_context_length(8192)
+    writer.add_context_length(context)
     writer.add_embedding_length(shape.hidden)
     writer.add_feed_forward_length(shape.intermediate)
     writer.add_head_count(shape.heads)

@@ -78,10 +78,19 @@ inline void store_row(const float* src, T* dst, int d) {
   if constexpr (std::is_same_v<T, float>) {
     std::memcpy(dst, src, sizeof(float) * d);
   } else if constexpr (kScaled<T>) {  // symmetric: the largest magnitude becomes 127 (as kv_int8.py does)
-    float amax = 0.f;
-    for (int i = 0; i < d; ++i) amax = std::fabs(src[i]) > amax ? std::fabs(src[i]) : amax;
+    int i = 0;
+    v::vf mv = v::zero();
+    for (; i + W <= d; i += W) mv = v::max(mv, v::abs(v::load(src + i)));
+    float amax = v::reduce_max(mv);
+    for (; i < d; ++i) amax = std::fabs(src[i]) > amax ? std::fabs(src[i]) : amax;
     const float inv = amax > 0.f ? 127.f / amax : 0.f, scale = amax / 127.f;
-    for (int i = 0; i < d; ++i) dst[i] = static_cast<int8_t>(std::nearbyint(src[i] * inv));
+    // Rounded half to even a vector at a time, then narrowed (each value is already a whole number).
+    float rounded[W];
+    for (i = 0; i + W <= d; i += W) {
+      v::store(rounded, v::round_nearest(v::mul(v::load(src + i), v::set1(inv))));
+      for (int j = 0; j < W; ++j) dst[i + j] = static_cast<int8_t>(rounded[j]);
+    }
+    for (; i < d; ++i) dst[i] = static_cast<int8_t>(std::nearbyint(src[i] * inv));
     std::memcpy(dst + d, &scale, 4);
   } else {
     int i = 0;
@@ -377,11 +386,9 @@ inline void score_two_queries(const float* qa, const float* qb, const float* k_h
 
 // Softmax-weighted float32 V rows for J query heads of one row (scores kMaxChunk apart, outputs D apart),
 // C vectors of the head at a time: each V vector loaded once for the J heads, the J * C accumulators in
-// registers. Per lane the same FMA sequence as weighted_values. v_scales[p]: an 8-bit cache's row scales
-// (nullptr for other caches).
+// registers. Per lane the same FMA sequence as weighted_values (an 8-bit cache's row scales already in sc).
 template <int D, int J>
-inline void weighted_float_values(const float* v_head, const int64_t* at, int n, const float* sc,
-                                  const float* v_scales, float* out) {
+inline void weighted_float_values(const float* v_head, const int64_t* at, int n, const float* sc, float* out) {
   constexpr int V = D / W;
   constexpr int C = J * V + J + 1 <= v::kRegisters ? V : (J * (V / 2) + J + 1 <= v::kRegisters ? V / 2 : V / 4);
   static_assert(C >= 1 && V % C == 0, "head size must split into register blocks");
@@ -392,7 +399,7 @@ inline void weighted_float_values(const float* v_head, const int64_t* at, int n,
     for (int p = 0; p < n; ++p) {
       const float* row = v_head + at[p] + W * c0;
       v::vf w[J];
-      for (int j = 0; j < J; ++j) w[j] = v::set1(v_scales ? sc[j * kMaxChunk + p] * v_scales[p] : sc[j * kMaxChunk + p]);
+      for (int j = 0; j < J; ++j) w[j] = v::set1(sc[j * kMaxChunk + p]);
       for (int c = 0; c < C; ++c) {
         const v::vf x = v::load(row + W * c);
         for (int j = 0; j < J; ++j) acc[j][c] = v::fmadd(w[j], x, acc[j][c]);
@@ -481,13 +488,16 @@ void attend_kv_head_rows(const float* const* q_rows, const int* contexts, const 
       for (int j = 0; j < g; ++j) cap_and_mask(sc_row + j * kMaxChunk, n, masked, s.softcap);
     const size_t heads = part_at[i] + static_cast<size_t>(kv) * g;
     softmax_parts(sc_row, g, n, part_max + heads, part_sum + heads);
+    if (v_scales)  // each weight times its V row's scale, as weighted_values does
+      for (int j = 0; j < g; ++j)
+        for (int p = 0; p < n; ++p) sc_row[j * kMaxChunk + p] *= v_scales[p];
     for (int j0 = 0; j0 < g; j0 += 3) {
       const float* sc = sc_row + j0 * kMaxChunk;
       float* out = part_acc + (heads + j0) * D;
       switch (g - j0 < 3 ? g - j0 : 3) {
-        case 1: weighted_float_values<D, 1>(v_head, at, n, sc, v_scales, out); break;
-        case 2: weighted_float_values<D, 2>(v_head, at, n, sc, v_scales, out); break;
-        default: weighted_float_values<D, 3>(v_head, at, n, sc, v_scales, out); break;
+        case 1: weighted_float_values<D, 1>(v_head, at, n, sc, out); break;
+        case 2: weighted_float_values<D, 2>(v_head, at, n, sc, out); break;
+        default: weighted_float_values<D, 3>(v_head, at, n, sc, out); break;
       }
     }
   }
