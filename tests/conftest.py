@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 from tiny_models import TINY_ARCHS, TINY_CONTEXT, TINY_NAME, make_tiny_checkpoint
+
+# transformers' GGUF loader (the reference's) builds the same tensor-name map once per submodule: 397 times
+# for the default model, 8 of its 20 s of loading. It is a pure function of (architecture, block count).
+gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
 
 # Tests build many engines, servers and CLI runs; compiling each would take minutes. The compiled path has
 # its own tests, which ask for it explicitly. Subprocesses (servers, the CLI) inherit this.
