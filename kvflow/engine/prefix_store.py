@@ -129,6 +129,9 @@ class DiskPrefixStore:
         path = self.path(block_hash)
         try:
             data = path.read_bytes()
+        except FileNotFoundError:  # removed meanwhile (another server sharing the folder evicted it): a miss
+            self._forget(block_hash)
+            return None
         except OSError as exc:
             self._refuse(block_hash, f"unreadable ({exc})")
             return None
@@ -236,7 +239,7 @@ class DiskPrefixStore:
         data = body + hashlib.blake2b(body, digest_size=DIGEST_BYTES).digest()
         path = self.path(block_hash)
         path.parent.mkdir(exist_ok=True)
-        tmp = path.with_name(path.name + f".{threading.get_ident()}.tmp")
+        tmp = path.with_name(path.name + f".{os.getpid()}.{threading.get_ident()}.tmp")  # folders may be shared
         tmp.write_bytes(data)
         os.replace(tmp, path)
         with self._lock:

@@ -118,3 +118,11 @@ def test_interrupted_writes_are_cleaned_up_and_bad_sizes_rejected(tmp_path):
     DiskPrefixStore(tmp_path, "model-a", BLOCK_BYTES).close()
     assert not leftover.exists()
     assert sorted(os.listdir(store.folder)) == [f"{blocks[0][0]:032x}"[:2]]
+
+
+def test_a_file_removed_by_another_process_is_a_plain_miss(tmp_path):
+    store, blocks = written(tmp_path)
+    store.path(blocks[1][0]).unlink()  # as another server sharing the folder would, evicting it
+    assert store.get(blocks[1][0]) is None and blocks[1][0] not in store
+    assert store.stats.refused == 0 and store.get(blocks[0][0]) is not None
+    store.close()
