@@ -17,6 +17,7 @@ import torch
 
 from kvflow.config import EngineConfig
 from kvflow.engine.detokenizer import IncrementalDetokenizer
+from kvflow.engine.kv_cache_alloc import bytes_per_block
 from kvflow.engine.prefix_store import DiskPrefixStore
 from kvflow.engine.prefix_tier import DiskTier, store_namespace
 from kvflow.engine.prompt_scoring import score_prompt
@@ -83,14 +84,14 @@ class LLMEngine:
         if len(self.runner.group_windows) > 1 or self.runner.group_windows[0]:
             log.warning("the prefix cache's disk tier is off: this model has sliding-window layers")
             return None
-        kv = self.runner.kv_caches
-        namespace = store_namespace(self.loaded, self.runner.block_size, self.runner.kv_dtype)
+        runner = self.runner
+        namespace = store_namespace(self.loaded, runner.block_size, runner.kv_dtype)
+        block_bytes = bytes_per_block(self.loaded.arch, runner.block_size, runner.kv_dtype)
         try:
-            store = DiskPrefixStore(cache.prefix_cache_dir, namespace, DiskTier.bytes_per_block(kv),
-                                    cache.prefix_cache_disk)
+            store = DiskPrefixStore(cache.prefix_cache_dir, namespace, block_bytes, cache.prefix_cache_disk)
         except OSError as exc:
             raise ValueError(f"the prefix cache's folder {cache.prefix_cache_dir!r} cannot be used: {exc}") from None
-        self.scheduler.kv_cache_manager.tier = DiskTier(store, kv)
+        self.scheduler.kv_cache_manager.tier = DiskTier(store, runner.kv_caches)
         atexit.register(store.close)  # what is still queued reaches the disk on a clean exit
         return store
 

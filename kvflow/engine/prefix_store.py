@@ -77,10 +77,10 @@ class DiskPrefixStore:
         self._pending: set[BlockHash] = set()
         self._pending_bytes = 0
         self._queue: queue.Queue = queue.Queue()
+        self._closed = False
         self._scan()
         self._writer = threading.Thread(target=self._write_loop, name="kvflow-prefix-store", daemon=True)
         self._writer.start()
-        self._closed = False
 
     # ---- what is there ------------------------------------------------------------------------------
     def _scan(self) -> None:

@@ -44,16 +44,11 @@ class DiskTier:
         k0 = kv_caches[0][0]
         self.block_shape = (len(kv_caches), 2, *k0.shape[1:])
         self.dtype = k0.dtype
-        self.block_bytes = self.bytes_per_block(kv_caches)
-        if store.block_bytes != self.block_bytes:
-            raise ValueError(f"the store holds blocks of {store.block_bytes} bytes, the cache's are {self.block_bytes}")
+        block_bytes = k0[0].nbytes * 2 * len(kv_caches)
+        if store.block_bytes != block_bytes:
+            raise ValueError(f"the store holds blocks of {store.block_bytes} bytes, the cache's are {block_bytes}")
         self.store = store
         self.kv_caches = kv_caches
-        self.hit_blocks = 0  # blocks brought back into the cache
-
-    @staticmethod
-    def bytes_per_block(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
-        return kv_caches[0][0][0].nbytes * 2 * len(kv_caches)
 
     def __contains__(self, block_hash: BlockHash) -> bool:
         return block_hash in self.store
@@ -92,5 +87,4 @@ class DiskTier:
         for layer, (k, v) in enumerate(self.kv_caches):
             k.index_copy_(0, ids, data[:, layer, 0])
             v.index_copy_(0, ids, data[:, layer, 1])
-        self.hit_blocks += n
         return n
