@@ -57,6 +57,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="torch.compile the model (auto: on CPU with --dtype auto; first start about a minute, "
                         "then cached)")
     g.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    g.add_argument("--tensor-parallel-size", "--tp", type=int, default=m.tensor_parallel_size, metavar="N",
+                   help="split the model across N ranks by attention heads (gloo on CPU, NCCL on CUDA); kvflow "
+                        "starts them on this machine, or uses the ranks torchrun gives it (threads are per rank)")
     g.add_argument("--seed", type=int, default=m.seed)
     g.add_argument("--trace", default=None, metavar="FILE", help="append a JSON line per engine step")
     g.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
@@ -72,7 +75,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         enable_prefix_caching=not args.no_prefix_caching, enable_chunked_prefill=not args.no_chunked_prefill,
         prefix_cache_dir=args.prefix_cache_dir, prefix_cache_disk=args.prefix_cache_disk,
         scheduling_policy=args.scheduling_policy,
-        quantization=args.quantization, compile=args.compile, threads=args.threads, seed=args.seed, trace_file=args.trace,
+        quantization=args.quantization, compile=args.compile, threads=args.threads, seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size, trace_file=args.trace,
         speculative_config=args.speculative_config,
     )
 

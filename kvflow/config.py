@@ -24,6 +24,8 @@ class ModelConfig:
     # variable KVFLOW_COMPILE sets the default (the test suite runs eager unless a test asks).
     compile: str = field(default_factory=lambda: os.environ.get("KVFLOW_COMPILE", "auto"))
     seed: int = 0
+    # Ranks the model is split across by attention heads and MLP columns (kvflow/distributed); 1: one process.
+    tensor_parallel_size: int = 1
 
 
 @dataclass

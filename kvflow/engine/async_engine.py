@@ -179,7 +179,15 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        return (self._thread is not None and self._thread.is_alive() and not self._stopping
+                and self.engine.failure is None)
+
+    @property
+    def status(self) -> str:
+        """What /health says: ok, or why the engine cannot serve."""
+        if self.engine.failure is not None:
+            return f"engine failed: {self.engine.failure}"
+        return "ok" if self.is_running else "engine not running"
 
     # ---- any thread --------------------------------------------------------------------------------
     @property
@@ -203,7 +211,8 @@ class AsyncEngine:
         """Queue a request and wait until the engine accepts it. Raises ValueError when it cannot run
         (prompt too long, max_tokens too large...), EngineDeadError once the engine is shut down."""
         if not self.is_running:
-            raise EngineDeadError("the engine is not running")
+            failure = self.engine.failure
+            raise EngineDeadError(f"the engine failed: {failure}" if failure else "the engine is not running")
         loop = asyncio.get_running_loop()
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         stream = RequestStream(request_id, self)

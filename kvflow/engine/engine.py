@@ -16,6 +16,8 @@ from concurrent.futures import Future
 import torch
 
 from kvflow.config import EngineConfig
+from kvflow.distributed import launch as tp_launch
+from kvflow.distributed.step_channel import CacheLayout, Driver
 from kvflow.engine.detokenizer import IncrementalDetokenizer
 from kvflow.engine.kv_cache_alloc import bytes_per_block
 from kvflow.engine.prefix_store import DiskPrefixStore
@@ -48,12 +50,23 @@ class LLMEngine:
         self.config = config
         set_threads(config.model.threads)
         torch.manual_seed(config.model.seed)
-        self.loaded = loaded or load_model(config.model)
-        self.tokenizer = self.loaded.tokenizer
-        self.max_model_len = self.loaded.max_model_len
-        config.scheduler.max_model_len = self.max_model_len
-        self.runner = ModelRunner(self.loaded, config.cache, attention_backend, config.scheduler.max_num_seqs,
-                                  max_num_batched_tokens=config.scheduler.max_num_batched_tokens)
+        if loaded is not None and config.model.tensor_parallel_size > 1:
+            raise ValueError("tensor parallelism loads each rank's shard itself: pass a model, not loaded_model")
+        # The other ranks of a tensor-parallel group (kvflow/distributed), started before this rank loads.
+        self.ranks = tp_launch.start(config.model) if loaded is None else None
+        try:
+            self.loaded = loaded or load_model(config.model)
+            self.tokenizer = self.loaded.tokenizer
+            self.max_model_len = self.loaded.max_model_len
+            config.scheduler.max_model_len = self.max_model_len
+            self.runner = ModelRunner(self.loaded, config.cache, attention_backend, config.scheduler.max_num_seqs,
+                                      max_num_batched_tokens=config.scheduler.max_num_batched_tokens)
+            if self.ranks is not None:
+                self._lead_ranks(attention_backend)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.stop()
+            raise
         self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.group_blocks, self.runner.group_windows)
         self.prefix_store = self._open_prefix_store()
         self.sampler = Sampler()
@@ -73,6 +86,26 @@ class LLMEngine:
         if spec is not None:
             source = build_source(spec, self.loaded, config.scheduler.max_num_seqs)
             self.speculator = Speculator(spec, source)
+
+    def _lead_ranks(self, attention_backend: str) -> None:
+        """Rank 0 of a tensor-parallel group: refuse what cannot run split yet, lay the other ranks' KV caches
+        out as this one's, then hand them every step."""
+        if self.config.cache.prefix_cache_dir is not None:
+            raise ValueError("--prefix-cache-dir does not run with tensor parallelism yet (each rank holds a "
+                             "share of every block)")
+        spec = SpeculativeConfig.parse(self.config.speculative_config)
+        if spec is not None and spec.method == "draft_model":
+            raise ValueError("a draft model does not run with tensor parallelism yet; use ngram or suffix")
+        runner, sched = self.runner, self.config.scheduler
+        layout = CacheLayout(runner.group_blocks, runner.block_size, self.config.cache.kv_cache_dtype,
+                             attention_backend, sched.max_num_seqs, sched.max_num_batched_tokens)
+        runner.tp_driver = Driver(self.ranks)
+        runner.tp_driver.send_layout(layout)
+
+    @property
+    def failure(self) -> str | None:
+        """Why this engine cannot run another step (a tensor-parallel rank died), or None."""
+        return None if self.ranks is None else self.ranks.failure
 
     def _open_prefix_store(self) -> DiskPrefixStore | None:
         """The prefix cache's disk tier, where the options ask for it and the cache allows it."""
@@ -96,10 +129,13 @@ class LLMEngine:
         return store
 
     def close(self) -> None:
-        """Finish what must outlive the engine: blocks queued for the prefix cache's disk tier."""
+        """Finish what must outlive the engine: blocks queued for the prefix cache's disk tier; the other
+        tensor-parallel ranks, told to stop."""
         if self.prefix_store is not None:
             self.prefix_store.close()
             atexit.unregister(self.prefix_store.close)
+        if self.ranks is not None:
+            self.ranks.stop()
 
     @property
     def grammars(self) -> GrammarCompiler:

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from kvflow.config import CacheConfig
+from kvflow.distributed.group import TensorParallelError
 from kvflow.engine.kv_cache_alloc import (
     allocate_kv_cache,
     bytes_per_block,
@@ -75,7 +76,10 @@ class ModelRunner:
         max_num_seqs: int = 64,
         cuda_graphs: bool = True,
         max_num_batched_tokens: int = 2048,
+        group_blocks: list[int] | None = None,
     ) -> None:
+        """group_blocks: blocks per KV cache group, where they must equal another runner's (a
+        tensor-parallel rank's cache is laid out as rank 0's); None: sized from cache_config."""
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
@@ -92,7 +96,9 @@ class ModelRunner:
         # Bytes a K or V value takes in the cache (an 8-bit cache's scales included): for rooflines.
         self.kv_element_bytes = kv_int8.element_bytes(self.kv_dtype, arch.head_dim)
         self.group_windows = arch.kv_group_windows  # KV cache groups (engine/kv_cache_groups.py)
-        if cache_config.num_blocks is None:
+        if group_blocks is not None:
+            self.group_blocks = list(group_blocks)
+        elif cache_config.num_blocks is None:
             memory = cache_config.kv_cache_memory or default_kv_cache_memory(self.device, GRAPH_RESERVE)
             self.group_blocks = group_num_blocks(memory, arch, self.block_size, self.kv_dtype, max_num_seqs,
                                                  max_num_batched_tokens)
@@ -104,6 +110,8 @@ class ModelRunner:
             per_block = bytes_per_block(arch, self.block_size, self.kv_dtype)
             raise ValueError(f"kv_cache_memory is too small for even one block ({per_block} bytes)")
         self.kv_caches = allocate_kv_cache(arch, self.group_blocks, self.block_size, self.kv_dtype, self.device)
+        # Rank 0 of a tensor-parallel group hands each step to the other ranks first (engine.LLMEngine sets it).
+        self.tp_driver = None
         max_blocks = -(-loaded.max_model_len // self.block_size)
         self.executor = build_executor(loaded, self.kv_caches, attention_backend, max_num_seqs, max_blocks, cuda_graphs)
         kv_bytes = sum(k.nbytes + v.nbytes for k, v in self.kv_caches)
@@ -193,8 +201,23 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output) -> StepLogits:
         """Run one step: the logits of its sampled sequences, then of the prompt rows asked for."""
+        inputs = self.prepare(scheduler_output.scheduled) if scheduler_output.scheduled else None
+        if self.tp_driver is not None:
+            self.tp_driver.send_step(scheduler_output.block_copies, inputs)
         self.copy_blocks(scheduler_output.block_copies)
-        if not scheduler_output.scheduled:
+        if inputs is None:
             return StepLogits(torch.empty(0, self.loaded.arch.vocab_size), [], [])
-        inputs = self.prepare(scheduler_output.scheduled)
-        return StepLogits(self.executor.execute(inputs), inputs.sample_request_ids, inputs.prompt_spans)
+        try:
+            logits = self.executor.execute(inputs)
+        except TensorParallelError as exc:  # a rank died mid-step: the group is done
+            raise TensorParallelError(self.tp_driver.ranks.fail(str(exc))) from None
+        return StepLogits(logits, inputs.sample_request_ids, inputs.prompt_spans)
+
+    @torch.inference_mode()
+    def run_shard_step(self, block_copies: list[tuple[int, int]], inputs: StepInputs | None) -> None:
+        """A tensor-parallel rank other than 0: rank 0's step on this rank's shard (its sums join rank 0's;
+        the logits are rank 0's to compute)."""
+        self.copy_blocks(block_copies)
+        if inputs is not None:
+            self.executor.bind()
+            self.executor.forward(inputs.input_ids, inputs.positions, inputs.meta)

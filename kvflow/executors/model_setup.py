@@ -17,6 +17,9 @@ from typing import Any
 import torch
 
 from kvflow.config import ModelConfig
+from kvflow.distributed import group as tp_group
+from kvflow.distributed.group import TensorParallelGroup
+from kvflow.distributed.sharding import WeightSharder, install_reductions, shard_arch
 from kvflow.executors import compile as compiling
 from kvflow.executors.native_model import NativeModel
 from kvflow.executors.plan import ExecutionPlan, plan_execution
@@ -43,6 +46,8 @@ class LoadedModel:
     max_model_len: int
     native: NativeModel | None = None  # the native decoder's structs, where the fast CPU mode runs it
     compiled: Callable | None = None  # a torch.compile'd hidden_states, where the plan compiles
+    # This rank's group where the model is split across ranks (arch is then this rank's share of the heads).
+    tensor_parallel: TensorParallelGroup | None = None
 
     @property
     def device(self) -> torch.device:
@@ -73,10 +78,17 @@ def load_model(config: ModelConfig) -> LoadedModel:
     tokenizer = files.tokenizer()
     plan = plan_execution(config, resolved.kind, arch.torch_dtype)
     max_len = config.max_model_len or arch.max_position_embeddings
-    model = load_weights(files, arch, plan.dtype, plan.quantization, plan.device, max_len)
+    tp = tp_group.current()
+    sharder = None
+    if tp is not None:  # this rank's heads and MLP columns only (kvflow/distributed/sharding.py)
+        sharder = WeightSharder(arch, tp.rank, tp.world_size)
+        arch = shard_arch(arch, tp.rank, tp.world_size)
+    model = load_weights(files, arch, plan.dtype, plan.quantization, plan.device, max_len, sharder)
+    if tp is not None:
+        install_reductions(model, tp)
     log.info("loaded %s (%s) on %s in %s, %s mode", resolved.name, arch.architecture, plan.device,
              str(plan.dtype).split(".")[-1], plan.mode)
-    loaded = LoadedModel(model, tokenizer, arch, resolved, plan, max_len)
+    loaded = LoadedModel(model, tokenizer, arch, resolved, plan, max_len, tensor_parallel=tp)
     prepare_model(loaded)
     return loaded
 
@@ -92,11 +104,12 @@ def prepare_model(loaded: LoadedModel) -> None:
         if plan.bf16_copies:
             added = make_bf16_copies(model, ROW_THRESHOLDS.layers_dense_min_rows)
             log.info("bfloat16 copies of the weights for many-row matmuls (+%.0f MiB)", added / 2**20)
-        loaded.native = NativeModel.for_model(model)
+        # The native decoder runs a whole step in one C++ call: no room for the ranks' sums between layers.
+        loaded.native = NativeModel.for_model(model) if loaded.tensor_parallel is None else None
         if loaded.native is not None:
             log.info("steps run natively (one C++ call a step); many-row steps on bfloat16 copies: %s",
                      loaded.native.dense_t is not None)
-    if plan.compile != "off" and compiling.should_compile(plan.compile, loaded.native is not None,
+    if plan.compile != "off" and loaded.tensor_parallel is None and compiling.should_compile(plan.compile, loaded.native is not None,
                                                              experts=loaded.arch.num_experts > 0):
         loaded.compiled = compiling.compile_hidden_states(model)
         compiling.warm_up(model, loaded.compiled, plan.device)
@@ -132,6 +145,9 @@ def build_executor(loaded: LoadedModel, kv_caches: list, attention_backend: str 
     from kvflow.executors.layers import LayersExecutor
 
     kind = loaded.plan.executor
+    if loaded.tensor_parallel is not None:
+        # Graph capture would run the ranks' all_reduce before the other ranks have built their caches.
+        cuda_graphs = False
     if kind == "cuda":
         return CudaExecutor(loaded, kv_caches, attention_backend, max_num_seqs, max_blocks_per_seq, cuda_graphs)
     if kind == "cpu_fast" and attention_backend == "auto":

@@ -61,19 +61,24 @@ def read_arch(files: ModelFiles) -> ArchConfig:
 
 
 def load_weights(files: ModelFiles, arch: ArchConfig, dtype: torch.dtype, quantization: str | None,
-                 device: torch.device, max_positions: int) -> torch.nn.Module:
+                 device: torch.device, max_positions: int, sharder=None) -> torch.nn.Module:
     """The model with its weights read: packed layers first (quantization "gguf": no float copy of them
-    is ever read), then every float tensor, then in-place quantization ("int8", "int4")."""
+    is ever read), then every float tensor, then in-place quantization ("int8", "int4"). With a sharder
+    (tensor parallelism), arch is this rank's share and every tensor is cut to it as it is read."""
     cls = model_class_for(arch)
     with default_dtype(dtype), torch.device(device):
         model = cls(arch, max_positions=max_positions)
+    model.weight_sharder = sharder
     path = files.resolved.path
     progress = LoadProgress(path.name, files.num_tensors, model_bytes(path))
     try:
         with torch.no_grad():
             packed = ()
             if quantization == "gguf":
-                packed = quantized_loading.pack_gguf(model, progress.track(files.raw_weights()), dtype)
+                raws = progress.track(files.raw_weights())
+                if sharder is not None:
+                    raws = (cut for cut in map(sharder.narrow_raw, raws) if cut is not None)
+                packed = quantized_loading.pack_gguf(model, raws, dtype)
             model.load_weights((name, t.to(device=device, dtype=dtype))
                                for name, t in progress.track(files.weights(packed)))
             quantized_loading.quantize_linears(model, quantization)

@@ -102,6 +102,7 @@ class LlamaForCausalLM(nn.Module):
     renamed_params: tuple[tuple[str, str], ...] = ()
     skipped_params: tuple[str, ...] = ()
     decoder_layer: type[nn.Module] = DecoderLayer  # a family with other layers (Gemma) names its own
+    weight_sharder = None  # set by the loader under tensor parallelism (kvflow/distributed/sharding.py)
 
     def __init__(self, arch: ArchConfig, max_positions: int | None = None) -> None:
         super().__init__()
@@ -157,6 +158,8 @@ class LlamaForCausalLM(nn.Module):
                 name = name.replace(theirs, ours)
             if name == "lm_head.weight" and self.arch.tie_word_embeddings:
                 continue
+            if self.weight_sharder is not None:  # tensor parallelism: this rank's heads and columns
+                tensor = self.weight_sharder.narrow(name, tensor)
             target, shard = name, None
             for fused, part, index in self.stacked_params:
                 if f".{part}." in name:

@@ -71,8 +71,8 @@ def _error_counter(state: ServerState):
 def _add_basic_routes(app: FastAPI) -> None:
     @app.get("/health")
     async def health(request: Request) -> Response:
-        ok = get_state(request).engine.is_running
-        return PlainTextResponse("ok" if ok else "engine not running", status_code=200 if ok else 503)
+        engine = get_state(request).engine
+        return PlainTextResponse(engine.status, status_code=200 if engine.is_running else 503)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

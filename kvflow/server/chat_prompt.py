@@ -78,7 +78,8 @@ def prepare_chat(tokenizer, body: ChatCompletionRequest) -> ChatPrompt:
         template_tools = [t.template_dict() for t in tools]
     elif tools:
         messages, fmt = with_tools_prompt(messages, tools), HERMES  # kvflow describes the hermes format
-    prompt = render_chat(tokenizer, messages, tools=template_tools, template_kwargs=body.chat_template_kwargs)
+    prompt = render_chat(tokenizer, messages, tools=template_tools, template_kwargs=body.chat_template_kwargs,
+                         continue_final=body.continue_final_message)
     thinking = reasoning_mode(template, prompt) if THINK_OPEN in template else None
 
     constraint, field = body.structured_output()

@@ -54,6 +54,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvflow.config import engine_config
+    from kvflow.distributed import worker
+    from kvflow.distributed.group import launched_by_torchrun
     from kvflow.engine.async_engine import AsyncEngine, build_off_the_main_thread
     from kvflow.engine.engine import LLMEngine
     from kvflow.loader.resolve import DEFAULT_MODEL
@@ -63,6 +65,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # --log-level sets kvflow's own lines too (at info: one per finished request, by its id); -v still means info.
     logging.getLogger("kvflow").setLevel(logging.INFO if args.verbose else args.log_level.upper())
     options = engine_config(**engine_options(args))
+    if launched_by_torchrun() and int(os.environ["RANK"]) != 0:  # rank 0 serves; the others run its steps
+        return worker.torchrun_main(options.model)
     engine = build_off_the_main_thread(lambda: _warmed_up(LLMEngine(options)))
     loaded = engine.loaded
     name = args.served_model_name or loaded.resolved.name

@@ -90,6 +90,9 @@ class SamplingFields(Strict):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None  # vLLM's: the top k per prompt token, returned as `prompt_logprobs`
+    # SGLang's, which its router (sglang-router, in front of several kvflow servers) adds to what it forwards
+    no_stop_trim: bool = False  # SGLang's include_stop_str_in_output
+    return_hidden_states: bool = False
     # OpenAI fields accepted as metadata, or refused unless neutral (see check_common)
     user: str | None = None
     logit_bias: dict[str, float] | None = None
@@ -128,6 +131,9 @@ class SamplingFields(Strict):
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of must equal n (kvflow returns every sample)", "best_of",
                               "unsupported_parameter")
+        if self.return_hidden_states:
+            raise bad_request("return_hidden_states is not supported", "return_hidden_states",
+                              "unsupported_parameter")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
@@ -138,7 +144,7 @@ class SamplingFields(Strict):
             prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             structured_output=self.structured_output()[0],
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, logprobs=logprobs,
-            include_stop_str_in_output=self.include_stop_str_in_output,
+            include_stop_str_in_output=self.include_stop_str_in_output or self.no_stop_trim,
             skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias(),
         )
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -265,6 +271,11 @@ class ChatCompletionRequest(SamplingFields):
     store: bool | None = None
     service_tier: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: e.g. {"enable_thinking": false}
+    # vLLM's and SGLang's: the answer continues the last (assistant) message instead of starting a new one
+    continue_final_message: bool = False
+    # SGLang's: thinking comes apart from the answer, streamed as it comes (kvflow always does both)
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
     def param_names(self) -> dict[str, str]:
         return {"logprobs": "top_logprobs", "max_tokens": self._max_tokens_field()}
@@ -279,6 +290,13 @@ class ChatCompletionRequest(SamplingFields):
         self._check_tools()
         if self.store:
             raise bad_request("store is not supported", "store", "unsupported_parameter")
+        for name in ("separate_reasoning", "stream_reasoning"):
+            if not getattr(self, name):
+                raise bad_request(f"{name} false is not supported (reasoning always comes apart, as it is made)",
+                                  name, "unsupported_parameter")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise bad_request("continue_final_message needs the last message to be the assistant's",
+                              "continue_final_message")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         if self.max_tokens is not None and self.max_completion_tokens is not None:

@@ -175,7 +175,7 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
 
 
 def render_chat(tokenizer, messages: list[dict], param: str = "messages", tools: list[dict] | None = None,
-                template_kwargs: dict | None = None) -> str:
+                template_kwargs: dict | None = None, continue_final: bool = False) -> str:
     """The prompt text for messages (and tools, as transformers passes them to the template; template_kwargs
     such as enable_thinking go to the template too), ending with the assistant's turn; a 400 when the
     template refuses them."""
@@ -183,6 +183,9 @@ def render_chat(tokenizer, messages: list[dict], param: str = "messages", tools:
         raise bad_request("this model has no chat template, so it cannot chat; use the completions API",
                           param, "no_chat_template")
     try:
+        if continue_final:  # the prompt ends inside the last assistant message, which the answer goes on with
+            return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=False,
+                                                 continue_final_message=True, **(template_kwargs or {}))
         return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
                                              **(template_kwargs or {}))
     except Exception as exc:  # jinja2 raises TemplateError (or anything a template's raise_exception throws)

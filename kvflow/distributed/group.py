@@ -1,0 +1,103 @@
+"""The tensor-parallel process group of this process, made once, before the model loads.
+
+kvflow starts the ranks itself on one machine (launch.py: rank 0 is the process that serves, the others are
+spawned), or torchrun starts them on one or several machines (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in
+the environment). Either way every rank loads its own shard of the model and sums partial results with
+all_reduce; rank 0 alone schedules, samples and serves.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# A collective waits this long for the other ranks. Ranks other than 0 wait for the next step between
+# requests, possibly for hours: a dead peer is seen at once (its sockets close), so the bound is only for a
+# peer that hangs without dying.
+DEFAULT_TIMEOUT_S = 24 * 3600
+
+
+class TensorParallelError(RuntimeError):
+    """A rank of the group failed (died, or a collective failed): the group cannot run another step."""
+
+
+@dataclass
+class TensorParallelGroup:
+    rank: int
+    world_size: int
+    backend: str
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of x over the ranks, in place; a failed peer raises TensorParallelError."""
+        try:
+            dist.all_reduce(x)
+        except RuntimeError as exc:
+            raise TensorParallelError(f"a tensor-parallel rank failed mid-step: {first_sentence(exc)}") from None
+        return x
+
+
+def first_sentence(exc: BaseException) -> str:
+    """gloo's errors: "[file:line] Connection closed by peer [addr]. This is typically caused by ..." """
+    text = str(exc).split("] ", 1)[-1] if str(exc).startswith("[") else str(exc)
+    return text.split(". ", 1)[0]
+
+
+_GROUP: TensorParallelGroup | None = None
+
+
+def current() -> TensorParallelGroup | None:
+    """The group this process belongs to, or None (one process runs the whole model)."""
+    return _GROUP
+
+
+def launched_by_torchrun() -> bool:
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
+
+
+def backend_for(device: str) -> str:
+    cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    return "nccl" if cuda else "gloo"
+
+
+def join(rank: int, world_size: int, init_method: str, device: str = "cpu",
+         timeout_s: float | None = None) -> TensorParallelGroup:
+    """Join the group as `rank` (every rank calls this; it returns once all have)."""
+    global _GROUP
+    if _GROUP is not None:
+        raise RuntimeError("this process already belongs to a tensor-parallel group")
+    timeout = timedelta(seconds=timeout_s or float(os.environ.get("KVFLOW_TP_TIMEOUT", DEFAULT_TIMEOUT_S)))
+    backend = backend_for(device)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
+    _GROUP = TensorParallelGroup(rank, world_size, backend)
+    return _GROUP
+
+
+def join_from_env(world_size: int, device: str = "cpu") -> TensorParallelGroup:
+    """Join the group torchrun describes; its size must be the one asked for."""
+    given = int(os.environ["WORLD_SIZE"])
+    if given != world_size:
+        raise ValueError(f"--tensor-parallel-size {world_size} but torchrun started {given} ranks "
+                         "(run torchrun with --nproc-per-node x --nnodes equal to the tensor-parallel size)")
+    if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    return join(int(os.environ["RANK"]), given, "env://", device)
+
+
+def leave() -> None:
+    """Leave the group (at shutdown; a group with a dead rank is dropped without waiting for it)."""
+    global _GROUP
+    if _GROUP is None:
+        return
+    _GROUP = None
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - a broken group cannot be torn down cleanly; the process exits anyway
+        pass

@@ -1,0 +1,72 @@
+"""A rank other than 0: load this rank's shard, build a KV cache laid out as rank 0's, run every step it sends.
+
+Started by launch.py (spawned on this machine) or by torchrun (`kvflow serve --tensor-parallel-size N` on each
+node: ranks other than 0 land here instead of serving). It never samples, schedules or answers anyone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import torch
+
+from kvflow.config import CacheConfig, ModelConfig
+from kvflow.distributed import group, step_channel
+from kvflow.distributed.group import TensorParallelError
+
+log = logging.getLogger("kvflow")
+
+
+def spawned_main(argv: list[str]) -> int:
+    """Entry of a rank launch.py starts: RANK WORLD_SIZE INIT_METHOD MODEL_CONFIG_JSON."""
+    rank, world_size, init_method, config = int(argv[0]), int(argv[1]), argv[2], json.loads(argv[3])
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {rank} %(levelname)s %(message)s")
+    model_config = ModelConfig(**config)
+    if group.backend_for(model_config.device) == "nccl":  # one GPU per rank on this machine
+        torch.cuda.set_device(rank)
+    group.join(rank, world_size, init_method, model_config.device)
+    return run(model_config)
+
+
+def torchrun_main(model_config: ModelConfig) -> int:
+    """A rank other than 0 that torchrun started (`kvflow serve --tensor-parallel-size N` on every node)."""
+    tp = group.join_from_env(model_config.tensor_parallel_size, model_config.device)
+    log.info("rank %d of %d (torchrun): running rank 0's steps", tp.rank, tp.world_size)
+    return run(model_config)
+
+
+def run(model_config: ModelConfig) -> int:
+    """Load this rank's shard and run rank 0's steps until it says stop (0) or a rank fails (1)."""
+    from kvflow.engine.runner import ModelRunner
+    from kvflow.executors.model_setup import load_model, set_threads
+
+    set_threads(model_config.threads)
+    torch.manual_seed(model_config.seed)
+    tp = group.current()
+    try:
+        loaded = load_model(model_config)
+        first = step_channel.receive()
+        if first.kind != "layout":
+            return 0
+        layout = first.layout
+        cache = CacheConfig(block_size=layout.block_size, kv_cache_dtype=layout.kv_cache_dtype)
+        runner = ModelRunner(loaded, cache, layout.attention_backend, layout.max_num_seqs,
+                             max_num_batched_tokens=layout.max_num_batched_tokens, group_blocks=layout.group_blocks)
+        log.info("rank %d of %d ready: %d of %d attention heads", tp.rank, tp.world_size, loaded.arch.num_heads,
+                 loaded.arch.num_heads * tp.world_size)
+        while True:
+            message = step_channel.receive()
+            if message.kind == "stop":
+                return 0
+            runner.run_shard_step(message.block_copies, message.inputs)
+    except TensorParallelError as exc:
+        log.error("rank %d stops: %s", tp.rank, exc)
+        return 1
+    finally:
+        group.leave()
+
+
+if __name__ == "__main__":
+    sys.exit(spawned_main(sys.argv[1:]))

@@ -1,0 +1,66 @@
+"""Tensor parallelism on CPU over gloo: split models compute what the whole model computes, sizes that do not
+split the heads are refused, and a rank that dies ends the request with an error instead of a hang."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from tiny_models import TINY_ARCHS
+
+from kvflow import LLM, SamplingParams
+from kvflow.distributed.group import TensorParallelError
+
+from .tp_helpers import REL_TOL, run_capturing_logits, worst_relative_difference
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.mark.parametrize("arch", list(TINY_ARCHS))
+def test_two_ranks_match_one_on_each_architecture(arch, tiny_checkpoints):
+    prompts = [{"prompt_token_ids": [5, 9, 33, 100, 7]}, {"prompt_token_ids": list(range(3, 70))}]
+    options = dict(dtype="float32", kv_cache_memory=8 << 20)
+    whole, whole_logits = run_capturing_logits(str(tiny_checkpoints[arch]), 1, prompts, GREEDY, **options)
+    split, split_logits = run_capturing_logits(str(tiny_checkpoints[arch]), 2, prompts, GREEDY, **options)
+    assert split == whole
+    assert worst_relative_difference(whole_logits, split_logits) < REL_TOL
+
+
+# float32 weights: only the order of the ranks' sums differs. Packed Q4_1 weights: the kernel rounds its inputs to
+# 16 bits per block of 32, so a last-bit change from that order can move a rounding by 2^-16 of the block's
+# largest input, and 30 layers carry it: the bound is looser, the greedy text still identical.
+@pytest.mark.parametrize("weights, bound", [("float32", REL_TOL), ("packed", 1e-3)])
+def test_default_model_in_three_ranks(weights, bound):
+    """SmolLM2's 9 query and 3 KV heads, one KV head a rank."""
+    prompts = ["<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+               "def fibonacci(n):\n    if n < 2:"]
+    options = dict(mode="exact", kv_cache_memory=32 << 20, quantization="gguf" if weights == "packed" else None)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    whole, whole_logits = run_capturing_logits(None, 1, prompts, params, **options)
+    split, split_logits = run_capturing_logits(None, 3, prompts, params, **options)
+    assert split == whole
+    assert worst_relative_difference(whole_logits, split_logits) < bound
+
+
+def test_a_size_that_does_not_divide_the_heads_is_refused():
+    with pytest.raises(ValueError, match="does not divide its 9 attention heads"):
+        LLM(tensor_parallel_size=2, device="cpu")
+
+
+def test_a_killed_rank_ends_the_request_with_an_error(tiny_checkpoints):
+    llm = LLM(str(tiny_checkpoints["llama"]), tensor_parallel_size=2, threads=1, device="cpu", dtype="float32",
+              kv_cache_memory=8 << 20)
+    try:
+        stream = llm.stream({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=400, ignore_eos=True))
+        next(stream)
+        llm.engine.ranks.processes[0].kill()
+        killed = time.monotonic()
+        with pytest.raises(TensorParallelError, match="rank"):
+            for _ in stream:
+                pass
+        assert time.monotonic() - killed < 10
+        assert llm.engine.failure is not None
+        with pytest.raises(TensorParallelError):  # and stays failed: no step runs on half a model
+            llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=2))
+    finally:
+        llm.close()
