@@ -338,25 +338,31 @@ class AsyncEngine:
                         log.exception("finished-request listener failed")
 
     def _update_stats(self) -> None:
-        scheduler = self.engine.scheduler
-        kv = scheduler.kv_cache_manager
-        store = self.engine.prefix_store
+        stats = engine_stats(self.engine, self._pending_adds)
         with self._cond:
-            self._stats = EngineStats(
-                num_running=scheduler.num_running,
-                num_waiting=scheduler.num_waiting + self._pending_adds,
-                num_blocks=kv.num_blocks,
-                num_free_blocks=kv.num_free_blocks,
-                kv_cache_usage=kv.usage,
-                prefix_queried_tokens=kv.queried_tokens,
-                prefix_hit_tokens=kv.hit_tokens,
-                prefix_disk_hit_tokens=kv.stats.disk_hit_tokens,
-                disk_store=None if store is None else replace(store.stats),
-                disk_store_blocks=0 if store is None else len(store),
-                disk_store_bytes=0 if store is None else store.size_bytes,
-                num_preemptions=scheduler.num_preemptions,
-                num_steps=self.engine.num_steps,
-            )
+            self._stats = stats
+
+
+def engine_stats(engine: LLMEngine, pending_adds: int = 0) -> EngineStats:
+    """A snapshot of the engine's state (on the thread that steps it)."""
+    scheduler = engine.scheduler
+    kv = scheduler.kv_cache_manager
+    store = engine.prefix_store
+    return EngineStats(
+        num_running=scheduler.num_running,
+        num_waiting=scheduler.num_waiting + pending_adds,
+        num_blocks=kv.num_blocks,
+        num_free_blocks=kv.num_free_blocks,
+        kv_cache_usage=kv.usage,
+        prefix_queried_tokens=kv.queried_tokens,
+        prefix_hit_tokens=kv.hit_tokens,
+        prefix_disk_hit_tokens=kv.stats.disk_hit_tokens,
+        disk_store=None if store is None else replace(store.stats),
+        disk_store_blocks=0 if store is None else len(store),
+        disk_store_bytes=0 if store is None else store.size_bytes,
+        num_preemptions=scheduler.num_preemptions,
+        num_steps=engine.num_steps,
+    )
 
 
 def _with_waiting(stats: EngineStats, num_waiting: int) -> EngineStats:

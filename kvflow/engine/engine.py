@@ -7,6 +7,7 @@ Everything here runs on the caller's thread; the server wraps it in a background
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import logging
 import time
@@ -29,7 +30,7 @@ from kvflow.engine.scheduler import Scheduler
 from kvflow.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from kvflow.engine.speculation import Speculator, kept_tokens
 from kvflow.engine.step_history import StepHistory, StepRecord
-from kvflow.executors.model_setup import LoadedModel, load_model, set_threads
+from kvflow.executors.model_setup import LoadedModel, ModelSummary, load_model, set_threads
 from kvflow.layers.sampler import Sampler, SamplingRow, position_generator
 from kvflow.outputs import Logprob, RequestOutput
 from kvflow.sampling_params import SamplingParams
@@ -40,6 +41,12 @@ from kvflow.structured.mask_prefetch import MaskPrefetcher, has_idle_core
 from kvflow.structured.sequence_grammar import SequenceGrammar
 
 log = logging.getLogger("kvflow")
+
+
+def tokenize_prompt(tokenizer, prompt: str) -> list[int]:
+    # A prompt rendered by a chat template often starts with BOS already: don't add a second one.
+    bos = tokenizer.bos_token
+    return tokenizer(prompt, add_special_tokens=not (bos and prompt.startswith(bos))).input_ids
 
 
 class LLMEngine:
@@ -153,9 +160,11 @@ class LLMEngine:
         return ids
 
     def tokenize(self, prompt: str) -> list[int]:
-        # A prompt rendered by a chat template often starts with BOS already: don't add a second one.
-        bos = self.tokenizer.bos_token
-        return self.tokenizer(prompt, add_special_tokens=not (bos and prompt.startswith(bos))).input_ids
+        return tokenize_prompt(self.tokenizer, prompt)
+
+    @functools.cached_property
+    def model_summary(self) -> ModelSummary:
+        return self.loaded.summary()
 
     def warm_up(self) -> None:
         """Run one short request and forget it, before the first real one. The first step maps the KV cache's

@@ -69,6 +69,36 @@ class LoadedModel:
     def batch_invariant(self) -> bool:
         return self.plan.batch_invariant
 
+    def summary(self) -> ModelSummary:
+        """What a process without the weights (the server's front end) needs to know of this model."""
+        from kvflow.bench.latency import prefill_matmul_kind, weight_bytes_read_per_step
+
+        return ModelSummary(self.resolved, self.arch, self.plan, self.max_model_len,
+                            num_parameters=sum(p.numel() for p in self.model.parameters()),
+                            weight_bytes_per_step=weight_bytes_read_per_step(self.model),
+                            prefill_matmuls=prefill_matmul_kind(self))
+
+
+@dataclass(frozen=True)
+class ModelSummary:
+    """A loaded model's description without its weights: picklable, for the engine core's front end."""
+
+    resolved: ResolvedModel
+    arch: ArchConfig
+    plan: ExecutionPlan
+    max_model_len: int
+    num_parameters: int
+    weight_bytes_per_step: int  # bytes a batch-1 decode step reads (bench.latency.weight_bytes_read_per_step)
+    prefill_matmuls: str  # what a prefill chunk's matmuls run on (bench.latency.prefill_matmul_kind)
+
+    @property
+    def device(self) -> torch.device:
+        return self.plan.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.plan.dtype
+
 
 def load_model(config: ModelConfig) -> LoadedModel:
     resolved = resolve_model(config.model)

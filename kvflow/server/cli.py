@@ -47,6 +47,11 @@ def add_serve_parser(subparsers) -> None:
     g.add_argument("--no-metrics", action="store_true",
                    help="no /metrics and no live data for the page (which then stays a plain chat)")
     g.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--engine-process", default=os.environ.get("KVFLOW_ENGINE_PROCESS", "auto"),
+                   choices=["auto", "on", "off"],
+                   help="on: the engine core (model, scheduler, steps) runs in a process of its own, so HTTP work "
+                        "never holds the GIL a step needs; off: on a thread of the server's process; auto: on where "
+                        "the front end has a core of its own (CUDA, or --threads below the physical cores)")
     p.set_defaults(handler=cmd_serve)
 
 
@@ -54,9 +59,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvflow.config import engine_config
-    from kvflow.distributed import worker
-    from kvflow.distributed.group import launched_by_torchrun
+    from kvflow.distributed import group, worker
     from kvflow.engine.async_engine import AsyncEngine, build_off_the_main_thread
+    from kvflow.engine.core_client import EngineCoreClient
     from kvflow.engine.engine import LLMEngine
     from kvflow.loader.resolve import DEFAULT_MODEL
     from kvflow.server.app import create_app
@@ -65,16 +70,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # --log-level sets kvflow's own lines too (at info: one per finished request, by its id); -v still means info.
     logging.getLogger("kvflow").setLevel(logging.INFO if args.verbose else args.log_level.upper())
     options = engine_config(**engine_options(args))
-    if launched_by_torchrun() and int(os.environ["RANK"]) != 0:  # rank 0 serves; the others run its steps
+    if group.launched_by_torchrun() and int(os.environ["RANK"]) != 0:  # rank 0 serves; the others run its steps
         return worker.torchrun_main(options.model)
-    engine = build_off_the_main_thread(lambda: _warmed_up(LLMEngine(options)))
+    if _engine_process(args.engine_process, options) and not group.launched_by_torchrun():
+        # the engine core in its own process (engine/core_process.py); this one keeps HTTP
+        served = EngineCoreClient(options, log_level=logging.getLogger("kvflow").level)
+    else:
+        served = AsyncEngine(build_off_the_main_thread(lambda: _warmed_up(LLMEngine(options))))
+    engine = served.engine
     loaded = engine.loaded
     name = args.served_model_name or loaded.resolved.name
     aliases = {loaded.resolved.name, args.model or DEFAULT_MODEL}
     settings = ServerSettings(served_model_name=name, model_aliases=aliases, api_key=args.api_key,
                               max_waiting=args.max_waiting, max_body_bytes=args.max_body_size,
                               root_path=args.root_path, ui=not args.no_ui, metrics=not args.no_metrics)
-    app = create_app(AsyncEngine(engine), settings)
+    app = create_app(served, settings)
     config = uvicorn.Config(app, host=args.host, port=args.port, uds=args.uds, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_grace, access_log=False)
     where = f"unix:{args.uds}" if args.uds else f"http://{args.host}:{args.port}{args.root_path}"
@@ -84,8 +94,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"  listening on {where}  (OpenAI: /v1, Ollama: /api, /metrics, /health"
           f"{'' if args.no_ui else '; chat page: /'})",
           file=sys.stderr, flush=True)
-    _GracefulServer(config).run()
+    server = _GracefulServer(config)
+    if isinstance(served, EngineCoreClient):  # a dead core: finish the streams' error events, then exit 1
+        served.on_death.append(lambda reason: setattr(server.server, "should_exit", True))
+    server.run()
+    if engine.failure is not None:
+        print(f"kvflow serve: {engine.failure}", file=sys.stderr, flush=True)
+        return 1
     return 0
+
+
+def _engine_process(choice: str, options) -> bool:
+    """Whether the engine core gets a process of its own. Only where the front end then has a core to run
+    on: when the steps use every core, the two processes take turns on them, and on a 2-core AMD EPYC that
+    cost 12% of the batch-1 TPOT through HTTP against the single process (benchmarks/front_end_overhead.py),
+    for 330 MiB more resident memory."""
+    if choice != "auto":
+        return choice == "on"
+    from kvflow.executors.model_setup import physical_cores
+    from kvflow.executors.plan import pick_device
+
+    try:
+        cuda = pick_device(options.model.device).type == "cuda"
+    except Exception:  # noqa: BLE001 - a bad device is reported by the load itself
+        return False
+    threads = options.model.threads
+    return cuda or (threads is not None and threads < physical_cores())
 
 
 def _warmed_up(engine):

@@ -15,26 +15,26 @@ from typing import Any
 import torch
 
 from kvflow.bench import probe as probes
-from kvflow.bench.latency import prefill_matmul_kind, weight_bytes_read_per_step
 from kvflow.bench.roofline import ModelShape
+from kvflow.executors.model_setup import ModelSummary
 from kvflow.kernels import cpu_features
 
 log = logging.getLogger("kvflow")
 
 
 class MachineLimits:
-    def __init__(self, loaded, kv_dtype_bytes: float) -> None:
-        shape = ModelShape.from_hf_config(loaded.arch.raw)
-        self.device = loaded.device.type
+    def __init__(self, model: ModelSummary, kv_dtype_bytes: float) -> None:
+        shape = ModelShape.from_hf_config(model.arch.raw)
+        self.device = model.device.type
         self.model = {
-            "weight_bytes_per_step": weight_bytes_read_per_step(loaded.model),
+            "weight_bytes_per_step": model.weight_bytes_per_step,
             "kv_bytes_per_token": shape.kv_bytes_per_token(kv_dtype_bytes),
             # A prompt token's FLOPs: 2 per layer weight it runs through, plus 4 per head dimension per
             # earlier token it attends to (the output projection runs for the last token only).
             "flops_per_token": 2 * shape.active_layer_matmul_params,
             "attention_flops_per_context_token": 4 * shape.num_layers * shape.num_heads * shape.head_dim,
         }
-        self.prefill_matmuls = prefill_matmul_kind(loaded)
+        self.prefill_matmuls = model.prefill_matmuls
         self._lock = threading.Lock()
         self._probing = False
         self._error: str | None = None

@@ -186,8 +186,7 @@ def _details(state: ServerState) -> dict:
 
 
 def _num_parameters(state: ServerState) -> int:
-    model = state.engine.engine.loaded.model
-    return sum(p.numel() for p in model.parameters())
+    return state.engine.engine.model_summary.num_parameters
 
 
 def _human(n: int) -> str:

@@ -78,7 +78,8 @@ class ServerState:
         if self._machine is None:
             from kvflow.server.machine import MachineLimits
 
-            self._machine = MachineLimits(self.engine.engine.loaded, self.engine.engine.runner.kv_element_bytes)
+            engine = self.engine.engine
+            self._machine = MachineLimits(engine.model_summary, engine.runner.kv_element_bytes)
         return self._machine
 
     @property

@@ -92,7 +92,7 @@ def test_the_machine_probe_runs_once_at_a_time_and_is_kept(default_loaded, monke
                              "matmul_bf16_tflop_s": None, "matmul_packed_tflop_s": None} for t in threads]}
 
     monkeypatch.setattr(probes, "run_probe", fake_probe)
-    limits = MachineLimits(default_loaded, kv_dtype_bytes=4)
+    limits = MachineLimits(default_loaded.summary(), kv_dtype_bytes=4)
     assert limits.as_dict()["machine"] is None
     assert limits.start_probe() is True
     assert limits.start_probe() is False  # one at a time
@@ -104,4 +104,4 @@ def test_the_machine_probe_runs_once_at_a_time_and_is_kept(default_loaded, monke
     machine = limits.as_dict()["machine"]
     assert machine["bandwidth_bytes_per_s"] == 10e9 and machine["matmul_flop_per_s"] == 0.1e12
     assert len(calls) == 1 and probes.load_probe() is not None  # saved where the benchmarks look
-    assert MachineLimits(default_loaded, kv_dtype_bytes=4).as_dict()["machine"] is not None  # kept for restarts
+    assert MachineLimits(default_loaded.summary(), kv_dtype_bytes=4).as_dict()["machine"] is not None  # kept for restarts

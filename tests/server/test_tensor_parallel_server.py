@@ -13,11 +13,7 @@ import pytest
 from kvflow import LLM, SamplingParams
 
 from .server_process import ServerProcess
-
-
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(line) for line in out.split()]
+from .test_engine_core import descendants
 
 
 @pytest.fixture
@@ -40,7 +36,7 @@ def test_split_server_answers_as_the_whole_model_and_reports_a_dead_rank(split_s
                                        stream=True, extra_body={"ignore_eos": True})
     chunks = iter(stream)
     next(chunks)
-    ranks = _children(split_server.proc.pid)
+    ranks = [pid for pid, cmd in descendants(split_server.proc.pid) if "kvflow.distributed.worker" in cmd]
     assert len(ranks) == 1, f"expected one spawned rank, found {ranks}"
     subprocess.run(["kill", "-9", str(ranks[0])], check=True)
     killed = time.monotonic()

@@ -1,0 +1,61 @@
+"""The engine core in its own process (`kvflow serve --engine-process on`, and auto where the front end has a
+core of its own): a core that dies is reported in every open stream, and the server exits non-zero instead of
+serving without an engine; `--engine-process off` keeps one process."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from .server_process import ServerProcess
+
+
+def descendants(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of every process under pid."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        children = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True).stdout.split()
+        for child in map(int, children):
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            found.append((child, cmdline))
+            todo.append(child)
+    return found
+
+
+def test_a_dead_core_fails_the_open_stream_and_the_server_exits_non_zero(tiny_model_dir):
+    server = ServerProcess("--model", str(tiny_model_dir), "--threads", "1", "--kv-cache-memory", "16MiB",
+                           "--engine-process", "on")
+    try:
+        cores = [pid for pid, cmd in descendants(server.proc.pid) if "spawn_main" in cmd]
+        assert len(cores) == 1, descendants(server.proc.pid)
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
+        stream = iter(client.completions.create(model="tiny-llama", prompt="Once upon", max_tokens=3000,
+                                                stream=True, extra_body={"ignore_eos": True}))
+        next(stream)
+        subprocess.run(["kill", "-9", str(cores[0])], check=True)
+        killed = time.monotonic()
+        with pytest.raises(openai.APIError, match="engine core process died"):
+            for _ in stream:
+                pass
+        assert server.proc.wait(10) == 1
+        assert time.monotonic() - killed < 10
+        assert "the engine core process died (exit code -9)" in server.output()
+    finally:
+        server.stop()
+
+
+def test_the_engine_can_still_run_in_the_servers_process(tiny_model_dir):
+    server = ServerProcess("--model", str(tiny_model_dir), "--threads", "1", "--kv-cache-memory", "16MiB",
+                           "--engine-process", "off")
+    try:
+        assert not [cmd for _, cmd in descendants(server.proc.pid) if "spawn_main" in cmd]
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+        answer = client.completions.create(model="tiny-llama", prompt="Once upon", max_tokens=5)
+        assert answer.usage.completion_tokens == 5
+    finally:
+        server.stop()
