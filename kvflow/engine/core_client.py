@@ -133,6 +133,15 @@ class EngineCoreClient:
         with self._lock:
             return self._stats.num_waiting + len(self._admissions)
 
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether this core runs (or is admitting) the request."""
+        with self._lock:
+            return request_id in self._streams
+
     def abort(self, request_id: str) -> None:
         try:
             self._send(("abort", request_id))

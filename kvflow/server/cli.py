@@ -47,6 +47,9 @@ def add_serve_parser(subparsers) -> None:
     g.add_argument("--no-metrics", action="store_true",
                    help="no /metrics and no live data for the page (which then stays a plain chat)")
     g.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--data-parallel-size", "--dp", type=_positive_int, default=1, metavar="N",
+                   help="N engine cores (processes), each with its own copy of the model and KV cache, the --threads "
+                        "split between them; each request goes to the one that holds the longest part of its prompt")
     g.add_argument("--engine-process", default=os.environ.get("KVFLOW_ENGINE_PROCESS", "auto"),
                    choices=["auto", "on", "off"],
                    help="on: the engine core (model, scheduler, steps) runs in a process of its own, so HTTP work "
@@ -62,6 +65,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvflow.distributed import group, worker
     from kvflow.engine.async_engine import AsyncEngine, build_off_the_main_thread
     from kvflow.engine.core_client import EngineCoreClient
+    from kvflow.engine.data_parallel import DataParallelClient
     from kvflow.engine.engine import LLMEngine
     from kvflow.loader.resolve import DEFAULT_MODEL
     from kvflow.server.app import create_app
@@ -72,7 +76,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     options = engine_config(**engine_options(args))
     if group.launched_by_torchrun() and int(os.environ["RANK"]) != 0:  # rank 0 serves; the others run its steps
         return worker.torchrun_main(options.model)
-    if _engine_process(args.engine_process, options) and not group.launched_by_torchrun():
+    if args.data_parallel_size > 1:
+        if group.launched_by_torchrun() or options.model.tensor_parallel_size > 1:
+            raise SystemExit("kvflow serve: --data-parallel-size does not combine with tensor parallelism yet")
+        served = DataParallelClient(options, args.data_parallel_size, log_level=logging.getLogger("kvflow").level)
+    elif _engine_process(args.engine_process, options) and not group.launched_by_torchrun():
         # the engine core in its own process (engine/core_process.py); this one keeps HTTP
         served = EngineCoreClient(options, log_level=logging.getLogger("kvflow").level)
     else:
@@ -95,11 +103,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"{'' if args.no_ui else '; chat page: /'})",
           file=sys.stderr, flush=True)
     server = _GracefulServer(config)
-    if isinstance(served, EngineCoreClient):  # a dead core: finish the streams' error events, then exit 1
+    died: list[str] = []
+    if hasattr(served, "on_death"):  # no engine core left: finish the streams' error events, then exit 1
+        served.on_death.append(died.append)
         served.on_death.append(lambda reason: setattr(server.server, "should_exit", True))
     server.run()
-    if engine.failure is not None:
-        print(f"kvflow serve: {engine.failure}", file=sys.stderr, flush=True)
+    if died or engine.failure is not None:
+        print(f"kvflow serve: {died[0] if died else engine.failure}", file=sys.stderr, flush=True)
         return 1
     return 0
 

@@ -71,8 +71,41 @@ class _EngineCollector(Collector):
             yield CounterMetricFamily(name, doc, value=value)
 
 
+class _ReplicaCollector(Collector):
+    """Per replica of a data-parallel server (--data-parallel-size): the figures that say where work went."""
+
+    def __init__(self, replica_stats: Callable[[], list[tuple[int, bool, EngineStats]]]) -> None:
+        self._replica_stats = replica_stats
+
+    def collect(self) -> Iterator[Metric]:
+        replicas = self._replica_stats()
+        up = GaugeMetricFamily("kvflow:replica_up", "1 while a replica's engine core runs; its process id.",
+                               labels=["replica", "pid"])
+        for i, (pid, running, _) in enumerate(replicas):
+            up.add_metric([str(i), str(pid)], 1.0 if running else 0.0)
+        yield up
+        stats = [s for _, _, s in replicas]
+        families = [
+            (GaugeMetricFamily, "kvflow:replica_num_requests_running", "Requests running, per replica.",
+             lambda s: s.num_running),
+            (GaugeMetricFamily, "kvflow:replica_num_requests_waiting", "Requests waiting, per replica.",
+             lambda s: s.num_waiting),
+            (GaugeMetricFamily, "kvflow:replica_kv_cache_usage_perc", "KV cache usage, per replica.",
+             lambda s: s.kv_cache_usage),
+            (CounterMetricFamily, "kvflow:replica_prefix_cache_hits", "Prefix-cache hit tokens, per replica.",
+             lambda s: s.prefix_hit_tokens),
+            (CounterMetricFamily, "kvflow:replica_engine_steps", "Engine steps, per replica.", lambda s: s.num_steps),
+        ]
+        for kind, name, doc, value in families:
+            family = kind(name, doc, labels=["replica"])
+            for i, s in enumerate(stats):
+                family.add_metric([str(i)], value(s))
+            yield family
+
+
 class ServerMetrics:
-    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats],
+                 replica_stats: Callable[[], list[tuple[int, bool, EngineStats]]] | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("kvflow:time_to_first_token_seconds", "Time to first token.", buckets=_FAST,
@@ -101,6 +134,8 @@ class ServerMetrics:
         self.errors = Counter("kvflow:request_errors", "Requests refused or failed, by kind.", ["kind"],
                               registry=r)
         r.register(_EngineCollector(stats))
+        if replica_stats is not None:
+            r.register(_ReplicaCollector(replica_stats))
 
     def observe_finished(self, out: RequestOutput) -> None:
         m = out.metrics

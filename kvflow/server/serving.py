@@ -66,7 +66,7 @@ class ServerState:
     def __init__(self, engine: AsyncEngine, settings: ServerSettings) -> None:
         self.engine = engine
         self.settings = settings
-        self.metrics = ServerMetrics(lambda: engine.stats)
+        self.metrics = ServerMetrics(lambda: engine.stats, getattr(engine, "replica_stats", None))
         engine.finished_listeners.append(self.metrics.observe_finished)
         engine.finished_listeners.append(log_finished)
         self.started = time.time()

@@ -1,0 +1,167 @@
+"""Data parallelism on one machine: N engine cores (each a process with its own model copy and KV cache)
+behind one front end that sends each request to the replica holding the longest part of its prompt.
+
+Routing: the front end tokenizes the prompt and hashes its full blocks the way the prefix cache does (the same
+chained sha256, engine/block_pool.hash_block_tokens); each replica remembers the block hashes of the prompts
+sent to it (a bounded LRU set). The replica whose set holds the longest run of leading blocks gets the request;
+with no match worth a block, the least loaded one does (running + waiting). An agent's next turn extends its
+last prompt, so it lands where that prompt's blocks are cached. This is SGLang's cache-aware idea made exact
+for the in-process case, where the front end tokenizes as the engine does; across machines, replicas are plain
+`kvflow serve` processes behind sglang-router (README).
+
+A replica that dies fails its own requests (core_client.py) and gets no new ones; the others keep serving.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from kvflow.config import EngineConfig
+from kvflow.engine.async_engine import EngineDeadError, EngineStats, RequestStream
+from kvflow.engine.block_pool import hash_block_tokens
+from kvflow.engine.core_client import EngineCoreClient
+from kvflow.outputs import RequestOutput
+from kvflow.sampling_params import SamplingParams
+
+log = logging.getLogger("kvflow")
+
+MAX_REMEMBERED_BLOCKS = 200_000  # per replica: 16-byte hashes, a few MB; far more than a CPU cache holds
+
+
+class PrefixRouter:
+    def __init__(self, replicas: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.blocks: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(replicas)]
+        self.sent = [0] * replicas  # requests routed to each: ties go to the one sent fewest
+
+    def block_hashes(self, token_ids: Sequence[int]) -> list[int]:
+        hashes, parent = [], None
+        for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
+            parent = hash_block_tokens(parent, token_ids[start: start + self.block_size])
+            hashes.append(parent)
+        return hashes
+
+    def matched(self, replica: int, hashes: list[int]) -> int:
+        """Leading blocks of the prompt this replica was sent before."""
+        known = self.blocks[replica]
+        n = 0
+        while n < len(hashes) and hashes[n] in known:
+            n += 1
+        return n
+
+    def pick(self, hashes: list[int], loads: dict[int, int]) -> int:
+        """Among the live replicas (loads' keys), the longest match, then the lightest load."""
+        return max(loads, key=lambda r: (self.matched(r, hashes), -loads[r], -self.sent[r]))
+
+    def remember(self, replica: int, hashes: list[int]) -> None:
+        known = self.blocks[replica]
+        for h in hashes:
+            known[h] = None
+            known.move_to_end(h)
+        while len(known) > MAX_REMEMBERED_BLOCKS:
+            known.popitem(last=False)
+
+
+class DataParallelClient:
+    """AsyncEngine's interface over several engine cores."""
+
+    def __init__(self, config: EngineConfig, size: int, log_level: int = logging.WARNING) -> None:
+        from kvflow.executors.model_setup import physical_cores
+
+        threads = config.model.threads or max(1, physical_cores() // size)
+        configs = [dataclasses.replace(config, model=dataclasses.replace(config.model, threads=threads))
+                   for _ in range(size)]
+        with ThreadPoolExecutor(size) as pool:  # the replicas load side by side
+            self.replicas = list(pool.map(lambda c: EngineCoreClient(c, log_level=log_level), configs))
+        self.engine = self.replicas[0].engine  # model, tokenizer, context: the same for every replica
+        self.router = PrefixRouter(size, config.cache.block_size)
+        self.finished_listeners: list[Callable[[RequestOutput], None]] = []
+        for replica in self.replicas:
+            replica.finished_listeners = self.finished_listeners  # one list: the server's metrics see all
+        self.on_death: list[Callable[[str], None]] = []  # run when the last replica dies
+        for i, replica in enumerate(self.replicas):
+            replica.on_death.append(lambda reason, i=i: self._replica_died(i, reason))
+        self._ids = itertools.count(1)
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        for replica in self.replicas:
+            replica.start()
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        for replica in self.replicas:
+            replica.shutdown(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return any(r.is_running for r in self.replicas)
+
+    @property
+    def status(self) -> str:
+        dead = [f"replica {i}: {r.status}" for i, r in enumerate(self.replicas) if not r.is_running]
+        if not dead:
+            return "ok"
+        return ("ok; " if self.is_running else "") + "; ".join(dead)
+
+    @property
+    def num_engine_errors(self) -> int:
+        return sum(r.num_engine_errors for r in self.replicas)
+
+    # ---- any thread --------------------------------------------------------------------------------
+    @property
+    def stats(self) -> EngineStats:
+        """The replicas' figures summed (their usage as the share of all their blocks)."""
+        parts = [r.stats for r in self.replicas if r.is_running] or [EngineStats()]
+        total = {f.name: sum(getattr(p, f.name) for p in parts) for f in dataclasses.fields(EngineStats)
+                 if f.name not in ("kv_cache_usage", "disk_store")}
+        blocks = total["num_blocks"]
+        usage = sum(p.kv_cache_usage * p.num_blocks for p in parts) / blocks if blocks else 0.0
+        return EngineStats(**total, kv_cache_usage=usage)
+
+    def replica_stats(self) -> list[tuple[int, bool, EngineStats]]:
+        """(core process id, running, stats) per replica."""
+        return [(r.pid, r.is_running, r.stats) for r in self.replicas]
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(r.num_waiting for r in self.replicas if r.is_running)
+
+    def abort(self, request_id: str) -> None:
+        for replica in self.replicas:
+            if replica.has_request(request_id):
+                replica.abort(request_id)
+
+    def _replica_died(self, index: int, reason: str) -> None:
+        log.error("replica %d is out of service (%s); %s", index, reason,
+                  "the others keep serving" if self.is_running else "none is left")
+        if not self.is_running:
+            for callback in self.on_death:
+                callback(reason)
+
+    async def add_request(self, prompt: str | Sequence[int], params: SamplingParams,
+                          request_id: str | None = None) -> RequestStream:
+        loads = {i: r.stats.num_running + r.num_waiting for i, r in enumerate(self.replicas) if r.is_running}
+        if not loads:
+            raise EngineDeadError(f"no replica is running ({self.status})")
+        request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        ids = self.engine.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        hashes = self.router.block_hashes(ids)
+        chosen = self.router.pick(hashes, loads)
+        self.router.remember(chosen, hashes)
+        self.router.sent[chosen] += 1
+        return await self.replicas[chosen].add_request(prompt, params, request_id)
+
+    async def generate(self, prompt: str | Sequence[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        stream = await self.add_request(prompt, params, request_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
