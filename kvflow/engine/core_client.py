@@ -62,14 +62,21 @@ class EngineView:
 
 
 class EngineCoreClient:
-    def __init__(self, config: EngineConfig, attention_backend: str = "auto", log_level: int = logging.WARNING):
-        """Start the core and wait until its model is loaded (a load error is raised here, as in-process)."""
+    def __init__(self, config: EngineConfig, attention_backend: str = "auto", log_level: int = logging.WARNING,
+                 wait: bool = True):
+        """Start the core and wait until its model is loaded (a load error is raised here, as in-process).
+        wait=False: return at once; wait_ready() then waits (several cores load side by side)."""
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no copied threads or locks
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=core_main, args=(child, config, attention_backend, log_level),
                                  name="kvflow-engine-core", daemon=True)
         self._proc.start()
         child.close()
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self, tokenizer=None) -> None:
+        """Wait for the core's model; tokenizer: one already loaded for the same model (else loaded here)."""
         try:
             message = self._conn.recv()
         except EOFError:
@@ -81,7 +88,7 @@ class EngineCoreClient:
         info: CoreInfo = message[1]
         from kvflow.loader.model_loader import open_model_files
 
-        self.engine = EngineView(info, open_model_files(info.model.resolved).tokenizer())
+        self.engine = EngineView(info, tokenizer or open_model_files(info.model.resolved).tokenizer())
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._streams: dict[str, tuple[RequestStream, asyncio.AbstractEventLoop]] = {}
@@ -112,6 +119,13 @@ class EngineCoreClient:
             self._proc.kill()
             self._proc.join()
         self._fail_all(EngineDeadError("the engine was shut down"))
+
+    def kill(self) -> None:
+        """Stop the core at once (a replica whose sibling failed to load)."""
+        self._stopping = True
+        if self._proc.is_alive():
+            self._proc.kill()
+        self._proc.join()
 
     @property
     def is_running(self) -> bool:

@@ -20,7 +20,6 @@ import logging
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 from kvflow.config import EngineConfig
 from kvflow.engine.async_engine import EngineDeadError, EngineStats, RequestStream
@@ -77,8 +76,15 @@ class DataParallelClient:
         threads = config.model.threads or max(1, physical_cores() // size)
         configs = [dataclasses.replace(config, model=dataclasses.replace(config.model, threads=threads))
                    for _ in range(size)]
-        with ThreadPoolExecutor(size) as pool:  # the replicas load side by side
-            self.replicas = list(pool.map(lambda c: EngineCoreClient(c, log_level=log_level), configs))
+        # The replicas load side by side; the front end loads the tokenizer once.
+        self.replicas = [EngineCoreClient(c, log_level=log_level, wait=False) for c in configs]
+        try:
+            for replica in self.replicas:
+                replica.wait_ready(self.replicas[0].engine.tokenizer if replica is not self.replicas[0] else None)
+        except BaseException:
+            for replica in self.replicas:
+                replica.kill()
+            raise
         self.engine = self.replicas[0].engine  # model, tokenizer, context: the same for every replica
         self.router = PrefixRouter(size, config.cache.block_size)
         self.finished_listeners: list[Callable[[RequestOutput], None]] = []

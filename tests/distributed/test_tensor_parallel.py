@@ -16,7 +16,12 @@ from .tp_helpers import REL_TOL, run_capturing_logits, worst_relative_difference
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-@pytest.mark.parametrize("arch", list(TINY_ARCHS))
+# Every architecture class; of the Llama ones, llama3.2 (one KV head, kept by both ranks) and mistral stand for
+# llama, and phi3 for phi3_longrope (they differ from those only in their rotary settings, which no rank cuts).
+SPLIT_ARCHS = [a for a in TINY_ARCHS if a not in ("llama", "phi3_longrope")]
+
+
+@pytest.mark.parametrize("arch", SPLIT_ARCHS)
 def test_two_ranks_match_one_on_each_architecture(arch, tiny_checkpoints):
     prompts = [{"prompt_token_ids": [5, 9, 33, 100, 7]}, {"prompt_token_ids": list(range(3, 70))}]
     options = dict(dtype="float32", kv_cache_memory=8 << 20)
