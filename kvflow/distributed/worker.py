@@ -46,7 +46,7 @@ def run(model_config: ModelConfig) -> int:
     torch.manual_seed(model_config.seed)
     tp = group.current()
     try:
-        loaded = load_model(model_config)
+        loaded = load_model(model_config, with_tokenizer=False)
         first = step_channel.receive()
         if first.kind != "layout":
             return 0

@@ -21,6 +21,7 @@ from kvflow.distributed import group as tp_group
 from kvflow.distributed.group import TensorParallelGroup
 from kvflow.distributed.sharding import WeightSharder, install_reductions, shard_arch
 from kvflow.executors import compile as compiling
+from kvflow.executors.model_figures import prefill_matmul_kind, weight_bytes_read_per_step
 from kvflow.executors.native_model import NativeModel
 from kvflow.executors.plan import ExecutionPlan, plan_execution
 from kvflow.executors.thresholds import ROW_THRESHOLDS
@@ -71,8 +72,6 @@ class LoadedModel:
 
     def summary(self) -> ModelSummary:
         """What a process without the weights (the server's front end) needs to know of this model."""
-        from kvflow.bench.latency import prefill_matmul_kind, weight_bytes_read_per_step
-
         return ModelSummary(self.resolved, self.arch, self.plan, self.max_model_len,
                             num_parameters=sum(p.numel() for p in self.model.parameters()),
                             weight_bytes_per_step=weight_bytes_read_per_step(self.model),
@@ -88,8 +87,8 @@ class ModelSummary:
     plan: ExecutionPlan
     max_model_len: int
     num_parameters: int
-    weight_bytes_per_step: int  # bytes a batch-1 decode step reads (bench.latency.weight_bytes_read_per_step)
-    prefill_matmuls: str  # what a prefill chunk's matmuls run on (bench.latency.prefill_matmul_kind)
+    weight_bytes_per_step: int  # bytes a batch-1 decode step reads (model_figures.weight_bytes_read_per_step)
+    prefill_matmuls: str  # what a prefill chunk's matmuls run on (model_figures.prefill_matmul_kind)
 
     @property
     def device(self) -> torch.device:
@@ -100,12 +99,13 @@ class ModelSummary:
         return self.plan.dtype
 
 
-def load_model(config: ModelConfig) -> LoadedModel:
+def load_model(config: ModelConfig, with_tokenizer: bool = True) -> LoadedModel:
+    """with_tokenizer=False: the weights alone (a tensor-parallel rank other than 0 never sees text)."""
     resolved = resolve_model(config.model)
     files = open_model_files(resolved)
     arch = read_arch(files)
     model_class_for(arch)  # refuses what this architecture's class cannot run, before the heavy reads
-    tokenizer = files.tokenizer()
+    tokenizer = files.tokenizer() if with_tokenizer else None
     plan = plan_execution(config, resolved.kind, arch.torch_dtype)
     max_len = config.max_model_len or arch.max_position_embeddings
     tp = tp_group.current()

@@ -31,20 +31,19 @@ def test_two_ranks_match_one_on_each_architecture(arch, tiny_checkpoints):
     assert worst_relative_difference(whole_logits, split_logits) < REL_TOL
 
 
-# float32 weights: only the order of the ranks' sums differs. Packed Q4_1 weights: the kernel rounds its inputs to
-# 16 bits per block of 32, so a last-bit change from that order can move a rounding by 2^-16 of the block's
-# largest input, and 30 layers carry it: the bound is looser, the greedy text still identical.
-@pytest.mark.parametrize("weights, bound", [("float32", REL_TOL), ("packed", 1e-3)])
-def test_default_model_in_three_ranks(weights, bound):
-    """SmolLM2's 9 query and 3 KV heads, one KV head a rank."""
+def test_default_model_in_three_ranks():
+    """SmolLM2's 9 query and 3 KV heads, one KV head a rank, in float32. (Its packed Q4_1 tensors cut by
+    blocks are checked against the whole tensors in test_sharding.py; through the packed kernel, which rounds
+    its inputs per block, a last-bit change from the ranks' sum order can move a rounding, and the logits
+    then differ by up to 7e-4 relative over 30 layers.)"""
     prompts = ["<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
                "def fibonacci(n):\n    if n < 2:"]
-    options = dict(mode="exact", kv_cache_memory=32 << 20, quantization="gguf" if weights == "packed" else None)
-    params = SamplingParams(temperature=0, max_tokens=12)
+    options = dict(mode="exact", kv_cache_memory=32 << 20)
+    params = SamplingParams(temperature=0, max_tokens=8)
     whole, whole_logits = run_capturing_logits(None, 1, prompts, params, **options)
     split, split_logits = run_capturing_logits(None, 3, prompts, params, **options)
     assert split == whole
-    assert worst_relative_difference(whole_logits, split_logits) < bound
+    assert worst_relative_difference(whole_logits, split_logits) < REL_TOL
 
 
 def test_a_size_that_does_not_divide_the_heads_is_refused():

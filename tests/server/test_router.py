@@ -62,8 +62,8 @@ class Router:
 
 @pytest.fixture
 def replicas(tiny_model_dir):
-    servers = [ServerProcess("--model", str(tiny_model_dir), "--threads", "1", "--kv-cache-memory", "16MiB")
-               for _ in range(2)]
+    servers = [ServerProcess("--model", str(tiny_model_dir), "--threads", "1", "--kv-cache-memory", "16MiB",
+                             "--engine-process", "off") for _ in range(2)]
     router = Router([s.base_url for s in servers])
     yield router, servers
     router.stop()
