@@ -16,9 +16,10 @@ from .tp_helpers import REL_TOL, run_capturing_logits, worst_relative_difference
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-# Every architecture class; of the Llama ones, llama3.2 (one KV head, kept by both ranks) and mistral stand for
-# llama, and phi3 for phi3_longrope (they differ from those only in their rotary settings, which no rank cuts).
-SPLIT_ARCHS = [a for a in TINY_ARCHS if a not in ("llama", "phi3_longrope")]
+# Every model class once: llama3.2 (one KV head, kept by both ranks) stands for llama and mistral, phi3 for
+# phi3_longrope, gemma3 for gemma2 (the same classes with other rotary, window or cap settings, which no rank
+# cuts: they act per head or on the whole hidden size).
+SPLIT_ARCHS = [a for a in TINY_ARCHS if a not in ("llama", "mistral", "phi3_longrope", "gemma2")]
 
 
 @pytest.mark.parametrize("arch", SPLIT_ARCHS)
@@ -31,17 +32,17 @@ def test_two_ranks_match_one_on_each_architecture(arch, tiny_checkpoints):
     assert worst_relative_difference(whole_logits, split_logits) < REL_TOL
 
 
-def test_default_model_in_three_ranks():
+def test_default_model_in_three_ranks(default_loaded):
     """SmolLM2's 9 query and 3 KV heads, one KV head a rank, in float32. (Its packed Q4_1 tensors cut by
     blocks are checked against the whole tensors in test_sharding.py; through the packed kernel, which rounds
     its inputs per block, a last-bit change from the ranks' sum order can move a rounding, and the logits
     then differ by up to 7e-4 relative over 30 layers.)"""
     prompts = ["<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
                "def fibonacci(n):\n    if n < 2:"]
-    options = dict(mode="exact", kv_cache_memory=32 << 20)
+    options = dict(kv_cache_memory=32 << 20, max_model_len=4096)
     params = SamplingParams(temperature=0, max_tokens=8)
-    whole, whole_logits = run_capturing_logits(None, 1, prompts, params, **options)
-    split, split_logits = run_capturing_logits(None, 3, prompts, params, **options)
+    whole, whole_logits = run_capturing_logits(None, 1, prompts, params, loaded_model=default_loaded, **options)
+    split, split_logits = run_capturing_logits(None, 3, prompts, params, dtype="float32", **options)
     assert split == whole
     assert worst_relative_difference(whole_logits, split_logits) < REL_TOL
 
