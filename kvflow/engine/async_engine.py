@@ -146,7 +146,44 @@ def build_off_the_main_thread(factory: Callable[[], T]) -> T:
     return result[0]
 
 
-class AsyncEngine:
+class EngineFrontEnd:
+    """What the server's routes use of an engine, shared by the ways of running one: AsyncEngine (a thread of
+    this process), EngineCoreClient (a process of its own) and DataParallelClient (several). A subclass keeps
+    `engine` (with its `failure`), `_stats`, `is_running` and `add_request`."""
+
+    engine: LLMEngine
+    _stats: EngineStats
+
+    @property
+    def status(self) -> str:
+        """What /health says: ok, or why the engine cannot serve."""
+        if self.engine.failure is not None:
+            return f"engine failed: {self.engine.failure}"
+        return "ok" if self.is_running else "engine not running"
+
+    @property
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def check_running(self) -> None:
+        """EngineDeadError, saying why, unless the engine takes requests."""
+        if not self.is_running:
+            failure = self.engine.failure
+            raise EngineDeadError(f"the engine failed: {failure}" if failure else "the engine is not running")
+
+    async def generate(
+        self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """add_request + iterate, aborting the request if the consumer stops early."""
+        stream = await self.add_request(prompt, params, request_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+
+class AsyncEngine(EngineFrontEnd):
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._cond = threading.Condition()
@@ -182,18 +219,7 @@ class AsyncEngine:
         return (self._thread is not None and self._thread.is_alive() and not self._stopping
                 and self.engine.failure is None)
 
-    @property
-    def status(self) -> str:
-        """What /health says: ok, or why the engine cannot serve."""
-        if self.engine.failure is not None:
-            return f"engine failed: {self.engine.failure}"
-        return "ok" if self.is_running else "engine not running"
-
     # ---- any thread --------------------------------------------------------------------------------
-    @property
-    def stats(self) -> EngineStats:
-        return self._stats
-
     @property
     def num_waiting(self) -> int:
         """Requests waiting to be scheduled, counting those submitted but not yet seen by the engine."""
@@ -210,9 +236,7 @@ class AsyncEngine:
     ) -> RequestStream:
         """Queue a request and wait until the engine accepts it. Raises ValueError when it cannot run
         (prompt too long, max_tokens too large...), EngineDeadError once the engine is shut down."""
-        if not self.is_running:
-            failure = self.engine.failure
-            raise EngineDeadError(f"the engine failed: {failure}" if failure else "the engine is not running")
+        self.check_running()
         loop = asyncio.get_running_loop()
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         stream = RequestStream(request_id, self)
@@ -229,17 +253,6 @@ class AsyncEngine:
             self.abort(request_id)  # the caller went away before admission: don't leave it running
             raise
         return stream
-
-    async def generate(
-        self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
-        """add_request + iterate, aborting the request if the consumer stops early."""
-        stream = await self.add_request(prompt, params, request_id)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.abort()
 
     # ---- engine thread -----------------------------------------------------------------------------
     def _run(self) -> None:

@@ -18,11 +18,18 @@ import logging
 import multiprocessing
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 
 from kvflow.config import EngineConfig
-from kvflow.engine.async_engine import EngineDeadError, EngineStats, RequestStream, _call_soon, _resolve
+from kvflow.engine.async_engine import (
+    EngineDeadError,
+    EngineFrontEnd,
+    EngineStats,
+    RequestStream,
+    _call_soon,
+    _resolve,
+)
 from kvflow.engine.core_process import CoreInfo, core_main
 from kvflow.engine.engine import tokenize_prompt
 from kvflow.engine.step_history import StepHistory
@@ -61,7 +68,7 @@ class EngineView:
         return self._grammars
 
 
-class EngineCoreClient:
+class EngineCoreClient(EngineFrontEnd):
     def __init__(self, config: EngineConfig, attention_backend: str = "auto", log_level: int = logging.WARNING,
                  wait: bool = True):
         """Start the core and wait until its model is loaded (a load error is raised here, as in-process).
@@ -131,17 +138,7 @@ class EngineCoreClient:
     def is_running(self) -> bool:
         return self._running and not self._stopping and self._proc.is_alive() and self.engine.failure is None
 
-    @property
-    def status(self) -> str:
-        if self.engine.failure is not None:
-            return f"engine failed: {self.engine.failure}"
-        return "ok" if self.is_running else "engine not running"
-
     # ---- any thread --------------------------------------------------------------------------------
-    @property
-    def stats(self) -> EngineStats:
-        return self._stats
-
     @property
     def num_waiting(self) -> int:
         with self._lock:
@@ -164,9 +161,7 @@ class EngineCoreClient:
 
     async def add_request(self, prompt: str | Sequence[int], params: SamplingParams,
                           request_id: str | None = None) -> RequestStream:
-        if not self.is_running:
-            failure = self.engine.failure
-            raise EngineDeadError(f"the engine failed: {failure}" if failure else "the engine is not running")
+        self.check_running()
         loop = asyncio.get_running_loop()
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         stream = RequestStream(request_id, self)
@@ -188,15 +183,6 @@ class EngineCoreClient:
             with self._lock:
                 self._admissions.pop(request_id, None)
         return stream
-
-    async def generate(self, prompt: str | Sequence[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        stream = await self.add_request(prompt, params, request_id)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.abort()
 
     # ---- the reader thread -------------------------------------------------------------------------
     def _send(self, message: tuple) -> None:

@@ -19,10 +19,10 @@ import itertools
 import logging
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from kvflow.config import EngineConfig
-from kvflow.engine.async_engine import EngineDeadError, EngineStats, RequestStream
+from kvflow.engine.async_engine import EngineDeadError, EngineFrontEnd, EngineStats, RequestStream
 from kvflow.engine.block_pool import hash_block_tokens
 from kvflow.engine.core_client import EngineCoreClient
 from kvflow.outputs import RequestOutput
@@ -67,7 +67,7 @@ class PrefixRouter:
             known.popitem(last=False)
 
 
-class DataParallelClient:
+class DataParallelClient(EngineFrontEnd):
     """AsyncEngine's interface over several engine cores."""
 
     def __init__(self, config: EngineConfig, size: int, log_level: int = logging.WARNING) -> None:
@@ -162,12 +162,3 @@ class DataParallelClient:
         self.router.remember(chosen, hashes)
         self.router.sent[chosen] += 1
         return await self.replicas[chosen].add_request(prompt, params, request_id)
-
-    async def generate(self, prompt: str | Sequence[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        stream = await self.add_request(prompt, params, request_id)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.abort()

@@ -31,19 +31,12 @@ class ServerProcess:
         self._wait_ready(startup_timeout)
 
     def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kvflow serve exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
-        output = self.output()
-        self.stop()
-        raise TimeoutError(f"kvflow serve not ready after {timeout} s:\n{output}")
+        try:
+            wait_until_answering(self.proc, f"{self.base_url}/health", timeout, self.output, "kvflow serve")
+        except TimeoutError:
+            self.stop()
+            raise
+
 
     def output(self) -> str:
         self.log.flush()
@@ -81,3 +74,19 @@ class KeyedServerProcess(ServerProcess):
 
     def auth_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"}
+
+
+def wait_until_answering(proc: subprocess.Popen, url: str, timeout: float, output, name: str) -> None:
+    """Until GET url answers 200; RuntimeError if proc exits first, TimeoutError after timeout (both with
+    output(), the process's log)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}:\n{output()}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{name} not ready after {timeout} s:\n{output()}")

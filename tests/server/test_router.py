@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from .server_process import ServerProcess, free_port
+from .server_process import ServerProcess, free_port, wait_until_answering
 
 AGENT_SYSTEM = ("You are a coding agent. Tools: read_file, write_file, run_tests. Answer with one tool call. "
                 "The repository holds a parser, a scheduler and a cache; keep changes small. " * 3)
@@ -31,16 +31,7 @@ class Router:
                "--worker-urls", *workers, "--policy", "cache_aware", "--prometheus-port", str(free_port()),
                "--health-check-interval-secs", "1", "--health-failure-threshold", "1", "--log-level", "warn"]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"the router exited:\n{self.output()}"
-            try:
-                if httpx.get(f"{self.base_url}/v1/models", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(f"the router did not start:\n{self.output()}")
+        wait_until_answering(self.proc, f"{self.base_url}/v1/models", 60, self.output, "sglang-router")
 
     def healthy(self) -> dict[str, bool]:
         workers = httpx.get(f"{self.base_url}/workers", timeout=5).json()["workers"]
