@@ -4,7 +4,8 @@ EngineCoreClient has AsyncEngine's interface (add_request, generate, abort, stat
 server runs on either. Requests go to the core over a pipe; a reader thread takes the core's messages and
 hands each output to its request's event loop, as AsyncEngine's step thread does. What the server reads of
 the engine itself (model, context, tokenizer, grammars, step history) is an EngineView built from what the
-core reports when it is ready.
+core reports when it is ready. Prompts are tokenized here, and the core's token ids become text here
+(engine/output_assembly.py): neither runs on the core, between its steps.
 
 If the core dies, every open stream and every request being admitted get EngineDeadError naming its exit
 code, /health answers 503, and the `on_death` callbacks run (the server then exits non-zero).
@@ -30,8 +31,10 @@ from kvflow.engine.async_engine import (
     _call_soon,
     _resolve,
 )
+from kvflow.engine.core_output import CoreOutput
 from kvflow.engine.core_process import CoreInfo, core_main
 from kvflow.engine.engine import tokenize_prompt
+from kvflow.engine.output_assembly import RequestAssembler
 from kvflow.engine.step_history import StepHistory
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
@@ -70,20 +73,28 @@ class EngineView:
 
 class EngineCoreClient(EngineFrontEnd):
     def __init__(self, config: EngineConfig, attention_backend: str = "auto", log_level: int = logging.WARNING,
-                 wait: bool = True):
+                 wait: bool = True, restarts: int = 0, env: dict[str, str] | None = None):
         """Start the core and wait until its model is loaded (a load error is raised here, as in-process).
-        wait=False: return at once; wait_ready() then waits (several cores load side by side)."""
-        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no copied threads or locks
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=core_main, args=(child, config, attention_backend, log_level),
-                                 name="kvflow-engine-core", daemon=True)
-        self._proc.start()
-        child.close()
+        wait=False: return at once; wait_ready() then waits (several cores load side by side).
+        restarts: how many times a core that dies is started again (its requests in flight get an error)
+        before the front end gives up on it. env: variables the core sets for itself (core_main)."""
+        self._core_args = (config, attention_backend, log_level, env)
+        self.restarts_left = restarts
+        self.num_restarts = 0
+        self._spawn()
         if wait:
             self.wait_ready()
 
-    def wait_ready(self, tokenizer=None) -> None:
-        """Wait for the core's model; tokenizer: one already loaded for the same model (else loaded here)."""
+    def _spawn(self) -> None:
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no copied threads or locks
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=core_main, args=(child, *self._core_args), name="kvflow-engine-core",
+                                 daemon=True)
+        self._proc.start()
+        child.close()
+
+    def _core_ready(self) -> CoreInfo:
+        """The core's ready message; the load's own error if it failed."""
         try:
             message = self._conn.recv()
         except EOFError:
@@ -92,13 +103,17 @@ class EngineCoreClient(EngineFrontEnd):
         if message[0] == "load_failed":
             self._proc.join(5)
             raise message[1]
-        info: CoreInfo = message[1]
+        return message[1]
+
+    def wait_ready(self, tokenizer=None) -> None:
+        """Wait for the core's model; tokenizer: one already loaded for the same model (else loaded here)."""
+        info = self._core_ready()
         from kvflow.loader.model_loader import open_model_files
 
         self.engine = EngineView(info, tokenizer or open_model_files(info.model.resolved).tokenizer())
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
-        self._streams: dict[str, tuple[RequestStream, asyncio.AbstractEventLoop]] = {}
+        self._streams: dict[str, tuple[RequestStream, asyncio.AbstractEventLoop, RequestAssembler]] = {}
         self._admissions: dict[str, tuple[asyncio.Future, asyncio.AbstractEventLoop]] = {}
         self._stats = EngineStats()
         self._ids = itertools.count(1)
@@ -161,16 +176,28 @@ class EngineCoreClient(EngineFrontEnd):
 
     async def add_request(self, prompt: str | Sequence[int], params: SamplingParams,
                           request_id: str | None = None) -> RequestStream:
+        """Tokenize here (off the event loop), then queue the ids in the core."""
+        self.check_running()
+        ids = (await asyncio.to_thread(self.engine.tokenize, prompt)) if isinstance(prompt, str) else list(prompt)
+        return await self.submit(prompt if isinstance(prompt, str) else None, ids, params, request_id)
+
+    async def submit(self, prompt: str | None, token_ids: list[int], params: SamplingParams,
+                     request_id: str | None = None) -> RequestStream:
+        """Queue a tokenized prompt (prompt: its text, where it had one, for the outputs)."""
         self.check_running()
         loop = asyncio.get_running_loop()
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         stream = RequestStream(request_id, self)
+        assembler = RequestAssembler(request_id, prompt, token_ids, params, self.engine.tokenizer)
         admitted = loop.create_future()
         with self._lock:
-            self._streams[request_id] = (stream, loop)
+            self._streams[request_id] = (stream, loop, assembler)
             self._admissions[request_id] = (admitted, loop)
         try:
-            self._send(("add", request_id, prompt if isinstance(prompt, str) else list(prompt), params))
+            try:
+                self._send(("add", request_id, token_ids, params))
+            except OSError:
+                raise EngineDeadError(self.engine.failure or "the engine core is gone") from None
             await admitted
         except asyncio.CancelledError:
             self.abort(request_id)  # the caller went away before admission: don't leave it running
@@ -194,7 +221,8 @@ class EngineCoreClient(EngineFrontEnd):
             try:
                 message = self._conn.recv()
             except (EOFError, OSError):
-                self._core_died()
+                if self._core_died():
+                    continue  # a new core runs
                 return
             _, admissions, outputs, failures, stats, steps, failure = message
             self._stats = stats
@@ -203,7 +231,7 @@ class EngineCoreClient(EngineFrontEnd):
             self.engine.failure = failure
             self._deliver(admissions, outputs, failures)
 
-    def _deliver(self, admissions: list, outputs: list[RequestOutput], failures: list) -> None:
+    def _deliver(self, admissions: list, outputs: list[CoreOutput], failures: list) -> None:
         """One step's news, handed to each caller's event loop in one call per loop."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         with self._lock:
@@ -213,11 +241,21 @@ class EngineCoreClient(EngineFrontEnd):
                     self._streams.pop(request_id, None)
                 if entry is not None:
                     by_loop.setdefault(entry[1], []).append((_resolve, entry[0], error))
-            for out in outputs:
-                entry = (self._streams.pop(out.request_id, None) if out.finished
-                         else self._streams.get(out.request_id))
-                if entry is not None:
-                    by_loop.setdefault(entry[1], []).append((self._dispatch, entry[0], out))
+            entries = [(core, self._streams.get(core.request_id)) for core in outputs]
+        done = []
+        for core, entry in entries:  # the text is made outside the lock: add_request need not wait for it
+            if entry is None:
+                continue
+            stream, loop, assembler = entry
+            out, stopped = assembler.apply(core)
+            for index, stop in stopped:  # stop strings matched here: the core frees those sequences
+                self._send(("stop", core.request_id, index, stop))
+            if out.finished:
+                done.append(core.request_id)
+            by_loop.setdefault(loop, []).append((self._dispatch, stream, out))
+        with self._lock:
+            for request_id in done:
+                self._streams.pop(request_id, None)
             for request_id, error in failures:
                 entry = self._streams.pop(request_id, None)
                 if entry is not None:
@@ -236,19 +274,44 @@ class EngineCoreClient(EngineFrontEnd):
                 except Exception:
                     log.exception("finished-request listener failed")
 
-    def _core_died(self) -> None:
+    def _core_died(self) -> bool:
+        """Fail what the dead core held; then start another where restarts are left (True), or give up."""
         if self._stopping:
-            return
+            return False
         self._proc.join(2)
         reason = f"the engine core process died (exit code {self._proc.exitcode})"
         self.engine.failure = reason
         log.error("%s; failing the requests in flight", reason)
         self._fail_all(EngineDeadError(reason))
+        if self.restarts_left > 0 and self._restart(reason):
+            return True
         for callback in self.on_death:
             try:
                 callback(reason)
             except Exception:
                 log.exception("engine-death callback failed")
+        return False
+
+    def _restart(self, reason: str) -> bool:
+        """Start a new core and wait for its model (meanwhile /health says why, and requests are refused)."""
+        self.restarts_left -= 1
+        self.engine.failure = f"{reason}; starting a new one"
+        log.warning("starting a new engine core (%d restarts left after this one)", self.restarts_left)
+        try:
+            self._spawn()
+            self._core_ready()
+            if self._stopping:  # shut down meanwhile
+                self.kill()
+                return False
+        except Exception as exc:  # noqa: BLE001 - reported, and the front end gives up on the core
+            log.error("the new engine core failed to start: %s", exc)
+            self.engine.failure = f"{reason}; a new one failed to start: {exc}"
+            return False
+        self.num_restarts += 1
+        self._stats = EngineStats()
+        self.engine.failure = None
+        log.warning("the new engine core is serving")
+        return True
 
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:
@@ -256,7 +319,7 @@ class EngineCoreClient(EngineFrontEnd):
             admissions = list(self._admissions.values())
         for future, loop in admissions:
             _call_soon(loop, _resolve, future, error)
-        for stream, loop in streams.values():
+        for stream, loop, _ in streams.values():
             _call_soon(loop, stream._put, error)
 
 

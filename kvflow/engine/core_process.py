@@ -6,19 +6,26 @@ messages, so the Python work of serving never holds the GIL a step needs. The co
 what the pipe holds (without waiting while requests run), steps, and sends one message per step with every
 output the step made, as vLLM's engine core does.
 
-    front end -> core   ("add", request_id, prompt, params) | ("abort", request_id) | ("shutdown",)
+    front end -> core   ("add", request_id, prompt token ids, params) | ("abort", request_id)
+                        ("stop", request_id, sequence index, stop string) | ("shutdown",)
     core -> front end   ("ready", CoreInfo) | ("load_failed", exception)
                         ("step", admissions, outputs, failures, stats, step records, engine failure)
-                          admissions: [(request_id, error or None)]; failures: [(request_id, exception)]
+                          admissions: [(request_id, error or None)]; outputs: [CoreOutput];
+                          failures: [(request_id, exception)]
+
+The front end tokenizes prompts, and makes the text from the ids the core sends (engine/output_assembly.py):
+it matches stop strings too, and sends "stop" for a sequence one ended.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 from dataclasses import dataclass
 
 from kvflow.config import EngineConfig
+from kvflow.engine.core_output import core_output
 from kvflow.executors.model_setup import ModelSummary
 
 log = logging.getLogger("kvflow")
@@ -35,8 +42,12 @@ class CoreInfo:
     eos_token_ids: list[int]
 
 
-def core_main(conn, config: EngineConfig, attention_backend: str, log_level: int) -> None:
-    """The core process: load, say ready, then serve the pipe until shutdown or the front end goes away."""
+def core_main(conn, config: EngineConfig, attention_backend: str, log_level: int,
+              env: dict[str, str] | None = None) -> None:
+    """The core process: load, say ready, then serve the pipe until shutdown or the front end goes away.
+    env: variables set first, before CUDA starts (a data-parallel replica's CUDA_VISIBLE_DEVICES); the
+    tensor-parallel ranks it starts inherit them."""
+    os.environ.update(env or {})
     logging.basicConfig(format="%(asctime)s core %(levelname)s %(message)s")
     logging.getLogger("kvflow").setLevel(log_level)
     from kvflow.engine.async_engine import build_off_the_main_thread
@@ -44,6 +55,7 @@ def core_main(conn, config: EngineConfig, attention_backend: str, log_level: int
 
     try:
         engine = build_off_the_main_thread(lambda: _warmed_up(LLMEngine(config, attention_backend)))
+        engine.detokenize = False  # the front end makes the text
     except BaseException as exc:  # noqa: BLE001 - the front end re-raises it
         conn.send(("load_failed", _picklable(exc)))
         return
@@ -66,6 +78,7 @@ class CoreLoop:
     def __init__(self, conn, engine) -> None:
         self.conn, self.engine = conn, engine
         self.running: set[str] = set()  # requests admitted and not finished
+        self.prompt_logprobs_sent: dict[str, int] = {}  # by request: entries earlier outputs carried
         self.last_step = 0
 
     def run(self) -> None:
@@ -95,10 +108,8 @@ class CoreLoop:
                         self.engine.abort_request(request_id)
                         failures.append((request_id, error))
                     self.running.clear()
-            for out in outputs:
-                if out.finished:
-                    self.running.discard(out.request_id)
-            self._report(admissions, outputs, failures, engine_stats(self.engine))
+                    self.prompt_logprobs_sent.clear()
+            self._report(admissions, [self._lean(out) for out in outputs], failures, engine_stats(self.engine))
 
     def _apply(self, message: tuple, admissions: list, outputs: list) -> None:
         from kvflow.engine.async_engine import EngineDeadError
@@ -107,6 +118,11 @@ class CoreLoop:
             out = self.engine.abort_request(message[1])
             if out is not None:
                 outputs.append(out)
+            return
+        if message[0] == "stop":
+            _, request_id, index, stop_string = message
+            if self.engine.stop_sequence(request_id, index, stop_string):
+                self._forget(request_id)
             return
         _, request_id, prompt, params = message
         try:
@@ -118,6 +134,19 @@ class CoreLoop:
         except Exception as exc:  # noqa: BLE001 - a bug, not bad input: report it, keep serving others
             log.exception("adding request %s failed", request_id)
             admissions.append((request_id, EngineDeadError(f"the engine could not add the request: {exc}")))
+
+    def _lean(self, out):
+        """A step's RequestOutput as the pipe carries it (engine/core_output.py)."""
+        lean = core_output(out, self.prompt_logprobs_sent.get(out.request_id, 0))
+        if out.finished:
+            self._forget(out.request_id)
+        elif out.prompt_logprobs is not None:
+            self.prompt_logprobs_sent[out.request_id] = len(out.prompt_logprobs)
+        return lean
+
+    def _forget(self, request_id: str) -> None:
+        self.running.discard(request_id)
+        self.prompt_logprobs_sent.pop(request_id, None)
 
     def _report(self, admissions: list, outputs: list, failures: list, stats) -> None:
         steps = self.engine.step_history.since(self.last_step)

@@ -14,6 +14,7 @@ A replica that dies fails its own requests (core_client.py) and gets no new ones
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import logging
@@ -67,17 +68,38 @@ class PrefixRouter:
             known.popitem(last=False)
 
 
+def replica_gpus(device: str, size: int, tp: int) -> list[str] | None:
+    """On CUDA, each replica's own GPUs (tp of them, as CUDA_VISIBLE_DEVICES); None on CPU."""
+    import os
+
+    import torch
+
+    from kvflow.executors.plan import pick_device
+
+    if pick_device(device).type != "cuda":
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    if size * tp > len(ids):
+        raise ValueError(f"--data-parallel-size {size} x --tensor-parallel-size {tp} needs {size * tp} GPUs, one "
+                         f"set per replica; this machine shows {len(ids)}")
+    return [",".join(ids[i * tp:(i + 1) * tp]) for i in range(size)]
+
+
 class DataParallelClient(EngineFrontEnd):
     """AsyncEngine's interface over several engine cores."""
 
-    def __init__(self, config: EngineConfig, size: int, log_level: int = logging.WARNING) -> None:
+    def __init__(self, config: EngineConfig, size: int, log_level: int = logging.WARNING, restarts: int = 0) -> None:
         from kvflow.executors.model_setup import physical_cores
 
-        threads = config.model.threads or max(1, physical_cores() // size)
-        configs = [dataclasses.replace(config, model=dataclasses.replace(config.model, threads=threads))
-                   for _ in range(size)]
+        tp = config.model.tensor_parallel_size
+        threads = config.model.threads or max(1, physical_cores() // (size * tp))  # per rank of each replica
+        replica_config = dataclasses.replace(config, model=dataclasses.replace(config.model, threads=threads))
+        gpus = replica_gpus(config.model.device, size, tp)
         # The replicas load side by side; the front end loads the tokenizer once.
-        self.replicas = [EngineCoreClient(c, log_level=log_level, wait=False) for c in configs]
+        self.replicas = [EngineCoreClient(replica_config, log_level=log_level, wait=False, restarts=restarts,
+                                          env=None if gpus is None else {"CUDA_VISIBLE_DEVICES": gpus[i]})
+                         for i in range(size)]
         try:
             for replica in self.replicas:
                 replica.wait_ready(self.replicas[0].engine.tokenizer if replica is not self.replicas[0] else None)
@@ -156,9 +178,10 @@ class DataParallelClient(EngineFrontEnd):
         if not loads:
             raise EngineDeadError(f"no replica is running ({self.status})")
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        ids = self.engine.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        text = prompt if isinstance(prompt, str) else None
+        ids = (await asyncio.to_thread(self.engine.tokenize, prompt)) if text is not None else list(prompt)
         hashes = self.router.block_hashes(ids)
         chosen = self.router.pick(hashes, loads)
         self.router.remember(chosen, hashes)
         self.router.sent[chosen] += 1
-        return await self.replicas[chosen].add_request(prompt, params, request_id)
+        return await self.replicas[chosen].submit(text, ids, params, request_id)

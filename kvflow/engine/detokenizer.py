@@ -127,3 +127,39 @@ class IncrementalDetokenizer:
             if any(stop.startswith(tail) for stop in self._stops):
                 return n
         return 0
+
+
+class NoDetokenizer:
+    """For an engine core whose front end makes the text (engine/output_assembly.py): ids only, no stop strings."""
+
+    output_text = ""
+    stop_string = None
+    finished = False
+
+    def add(self, new_token_ids: list[int]) -> DetokenizerResult:
+        return DetokenizerResult("")
+
+    def flush(self) -> str:
+        return ""
+
+
+NO_DETOKENIZER = NoDetokenizer()
+
+
+def add_tokens(detokenizer: IncrementalDetokenizer | NoDetokenizer,
+               new_token_ids: list[int]) -> tuple[DetokenizerResult, int]:
+    """Feed a step's new ids; returns the result and how many of the ids to keep.
+
+    Several ids at once (kept draft tokens) go in one at a time: where a stop string ends the text among
+    them, the ids after it are dropped, so the output is what one token a step would have made."""
+    if len(new_token_ids) <= 1:
+        return detokenizer.add(new_token_ids), len(new_token_ids)
+    text, kept = "", 0
+    for token in new_token_ids:
+        result = detokenizer.add([token])
+        text += result.text_delta
+        kept += 1
+        if result.finished:
+            break
+    result.text_delta = text
+    return result, kept

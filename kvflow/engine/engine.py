@@ -19,7 +19,7 @@ import torch
 from kvflow.config import EngineConfig
 from kvflow.distributed import launch as tp_launch
 from kvflow.distributed.step_channel import CacheLayout, Driver
-from kvflow.engine.detokenizer import IncrementalDetokenizer
+from kvflow.engine.detokenizer import NO_DETOKENIZER, IncrementalDetokenizer, add_tokens
 from kvflow.engine.kv_cache_alloc import bytes_per_block
 from kvflow.engine.prefix_store import DiskPrefixStore
 from kvflow.engine.prefix_tier import DiskTier, store_namespace
@@ -82,6 +82,9 @@ class LLMEngine:
         self.sequences: dict[str, SequenceState] = {}  # by engine request id
         self._trace = open(config.trace_file, "a") if config.trace_file else None  # noqa: SIM115
         self.step_history = StepHistory()
+        # False in an engine core whose front end makes the text and matches stop strings
+        # (engine/output_assembly.py): the core then sends token ids only, and decodes nothing.
+        self.detokenize = True
         self._counter = 0
         self.num_steps = 0
         self._grammars: GrammarCompiler | None = None
@@ -248,7 +251,8 @@ class LLMEngine:
             group_id=group.request_id,
             index=index,
             request=request,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids, params),
+            detokenizer=(IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids, params) if self.detokenize
+                         else NO_DETOKENIZER),
             seed=seed,
             logprobs=[] if params.logprobs is not None else None,
             cumulative_logprob=0.0 if params.logprobs is not None else None,
@@ -272,6 +276,24 @@ class LLMEngine:
             if seq.finish_reason is None:
                 seq.finish_reason = "abort"
         return group.output()
+
+    def stop_sequence(self, request_id: str, index: int, stop_string: str) -> bool:
+        """End one sequence of a request on a stop string its front end matched (engine/output_assembly.py)
+        and free its blocks; True when that ended the whole request (it is then forgotten: its front end has
+        already given the caller its last output)."""
+        group = self.groups.get(request_id)
+        if group is None or index >= len(group.sequences):
+            return False
+        seq = group.sequences[index]
+        if seq.finish_reason is None:
+            self.scheduler.finish_request(seq.request.request_id, RequestStatus.FINISHED_STOPPED, stop_string)
+            seq.finish_reason = "stop"
+            if self.speculator is not None:
+                self.speculator.forget(seq.request)
+        if group.finished:
+            self._drop(group)
+            return True
+        return False
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
@@ -428,7 +450,7 @@ class LLMEngine:
             if seq is None or seq.group_id not in self.groups:
                 continue
             try:
-                score_prompt(self.groups[seq.group_id], seq.request, span.start, rows, self.tokenizer.decode)
+                score_prompt(self.groups[seq.group_id], seq.request, span.start, rows, self._token_text)
             except Exception as exc:  # noqa: BLE001 - one request's failure must not end the others'
                 self._fail_group(seq, exc, touched)
 
@@ -470,6 +492,10 @@ class LLMEngine:
                            grammar.matcher, ends, self.grammars.closing_tokens if wrap_up else None,
                            grammar.in_string, mask_words)
 
+    def _token_text(self, ids: list[int]) -> str | None:
+        """A logprob entry's text, where this engine makes text."""
+        return self.tokenizer.decode(ids) if self.detokenize else None
+
     def _end_tokens(self, params: SamplingParams) -> list[int]:
         """The tokens that end a request: its stop ids, and EOS unless it ignores it."""
         return list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids)
@@ -477,9 +503,9 @@ class LLMEngine:
     def _record_logprobs(self, seq: SequenceState, token: int, lp: float | None, top) -> None:
         entry: dict[int, Logprob] = {}
         for rank, (tid, value) in enumerate(top or [], start=1):
-            entry[tid] = Logprob(value, rank, self.tokenizer.decode([tid]))
+            entry[tid] = Logprob(value, rank, self._token_text([tid]))
         if token not in entry:
-            entry = {token: Logprob(float(lp), 0, self.tokenizer.decode([token])), **entry}  # rank 0: outside top-k
+            entry = {token: Logprob(float(lp), 0, self._token_text([token])), **entry}  # rank 0: outside top-k
         seq.logprobs.append(entry)
         seq.cumulative_logprob += float(lp)
 
@@ -489,10 +515,13 @@ class LLMEngine:
             return
         processed = seq.num_processed
         new_ids = request.output_token_ids[processed:]
-        if len(new_ids) > 1:
-            result = self._detokenize_each(seq, new_ids)  # kept drafts: a stop string may end it among them
-        else:
-            result = seq.detokenizer.add(new_ids)
+        result, keep = add_tokens(seq.detokenizer, new_ids)
+        if keep < len(new_ids):  # a stop string ended the text among kept drafts: the tokens after it go
+            drop = len(new_ids) - keep
+            del request.output_token_ids[-drop:], request.all_token_ids[-drop:]
+            del request.timings.token_times[-drop:]
+            if seq.logprobs is not None:
+                del seq.logprobs[-drop:]
         seq.num_processed = request.num_output_tokens
         seq.delta_token_ids += request.output_token_ids[processed:]
         seq.delta_text += result.text_delta
@@ -504,25 +533,6 @@ class LLMEngine:
             if not result.finished:
                 seq.delta_text += seq.detokenizer.flush()
             seq.finish_reason = request.status.finish_reason
-
-    def _detokenize_each(self, seq: SequenceState, new_ids: list[int]):
-        """Several new tokens, one at a time: where a stop string ends the text, the tokens after it are
-        dropped, so the output is what one token a step would have made."""
-        text = ""
-        for n, token in enumerate(new_ids, start=1):
-            result = seq.detokenizer.add([token])
-            text += result.text_delta
-            if result.finished:
-                drop = len(new_ids) - n
-                if drop:
-                    request = seq.request
-                    del request.output_token_ids[-drop:], request.all_token_ids[-drop:]
-                    del request.timings.token_times[-drop:]
-                    if seq.logprobs is not None:
-                        del seq.logprobs[-drop:]
-                break
-        result.text_delta = text
-        return result
 
     def _group_of(self, seq: SequenceState) -> RequestGroup:
         return self.groups[seq.group_id]

@@ -12,7 +12,7 @@ from kvflow.outputs import Logprob
 
 
 def score_prompt(group: RequestGroup, request: Request, start: int, logprobs: torch.Tensor,
-                 decode: Callable[[list[int]], str]) -> None:
+                 decode: Callable[[list[int]], str | None]) -> None:
     """Append to group.prompt_logprobs the entries of positions start + 1 .. start + len(logprobs): the
     token's own logprob and true rank, and the top k. Positions already scored (a span computed again
     after a preemption) are skipped. Then move request.prompt_logits_from past the span, to None when

@@ -20,9 +20,17 @@ from kvflow.server.serving import DEFAULT_MAX_BODY_BYTES
 
 
 def _positive_int(text: str) -> int:
+    return _int_at_least(text, 1)
+
+
+def _non_negative_int(text: str) -> int:
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, low: int) -> int:
     value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
     return value
 
 
@@ -48,13 +56,18 @@ def add_serve_parser(subparsers) -> None:
                    help="no /metrics and no live data for the page (which then stays a plain chat)")
     g.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     g.add_argument("--data-parallel-size", "--dp", type=_positive_int, default=1, metavar="N",
-                   help="N engine cores (processes), each with its own copy of the model and KV cache, the --threads "
-                        "split between them; each request goes to the one that holds the longest part of its prompt")
+                   help="N engine cores (processes), each with its own copy of the model and KV cache (and, with "
+                        "--tp, its own tensor-parallel ranks), on a share of the cores (--threads: per rank) or its "
+                        "own GPUs; each request goes to the one that holds the longest part of its prompt")
     g.add_argument("--engine-process", default=os.environ.get("KVFLOW_ENGINE_PROCESS", "auto"),
                    choices=["auto", "on", "off"],
                    help="on: the engine core (model, scheduler, steps) runs in a process of its own, so HTTP work "
                         "never holds the GIL a step needs; off: on a thread of the server's process; auto: on where "
                         "the front end has a core of its own (CUDA, or --threads below the physical cores)")
+    g.add_argument("--engine-restarts", type=_non_negative_int, default=0, metavar="N",
+                   help="an engine core process that dies is started again, up to N times (its requests in flight "
+                        "get an error; /health answers 503 until the new one is ready); past N, or with 0 (the "
+                        "default), the server exits non-zero. Applies where the core has a process of its own")
     p.set_defaults(handler=cmd_serve)
 
 
@@ -77,12 +90,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if group.launched_by_torchrun() and int(os.environ["RANK"]) != 0:  # rank 0 serves; the others run its steps
         return worker.torchrun_main(options.model)
     if args.data_parallel_size > 1:
-        if group.launched_by_torchrun() or options.model.tensor_parallel_size > 1:
-            raise SystemExit("kvflow serve: --data-parallel-size does not combine with tensor parallelism yet")
-        served = DataParallelClient(options, args.data_parallel_size, log_level=logging.getLogger("kvflow").level)
+        if group.launched_by_torchrun():
+            raise SystemExit("kvflow serve: --data-parallel-size runs its replicas on this machine; across "
+                             "machines, run one kvflow serve per replica behind a router (README)")
+        served = DataParallelClient(options, args.data_parallel_size, log_level=logging.getLogger("kvflow").level,
+                                    restarts=args.engine_restarts)
     elif _engine_process(args.engine_process, options) and not group.launched_by_torchrun():
         # the engine core in its own process (engine/core_process.py); this one keeps HTTP
-        served = EngineCoreClient(options, log_level=logging.getLogger("kvflow").level)
+        served = EngineCoreClient(options, log_level=logging.getLogger("kvflow").level,
+                                  restarts=args.engine_restarts)
     else:
         served = AsyncEngine(build_off_the_main_thread(lambda: _warmed_up(LLMEngine(options))))
     engine = served.engine

@@ -13,13 +13,15 @@ import openai
 import pytest
 
 from .server_process import ServerProcess
+from .test_engine_core import descendants
 
 SYSTEM = ("You are a coding agent. Tools: read_file, write_file, run_tests. Answer with one tool call. "
           "The repository holds a parser, a scheduler and a cache; keep changes small. " * 3)
 
 
 def _replicas(server: ServerProcess) -> dict[str, dict]:
-    """Per replica number: its core's pid, whether it is up, its prefix-cache hit tokens (from /metrics)."""
+    """Per replica number: its core's pid, whether it is up, its prefix-cache hit tokens and its steps (from
+    /metrics)."""
     found: dict[str, dict] = {}
     for line in httpx.get(f"{server.base_url}/metrics", timeout=10).text.splitlines():
         m = re.match(r"^(kvflow:replica_\w+)\{([^}]*)\} (\S+)$", line)
@@ -31,6 +33,8 @@ def _replicas(server: ServerProcess) -> dict[str, dict]:
             entry.update(up=float(m.group(3)), pid=int(labels["pid"]))
         elif m.group(1) == "kvflow:replica_prefix_cache_hits_total":
             entry["hits"] = float(m.group(3))
+        elif m.group(1) == "kvflow:replica_engine_steps_total":
+            entry["steps"] = float(m.group(3))
     return found
 
 
@@ -75,3 +79,26 @@ def test_turns_stay_on_their_replica_and_one_replica_dying_leaves_the_other(two_
         _turn(client, agent)
     assert _replicas(two_replicas)[away]["hits"] > replicas[away]["hits"]  # the agent's turns moved there
     assert two_replicas.proc.poll() is None
+
+
+def test_replicas_of_tensor_parallel_ranks_answer_as_one_engine(tiny_model_dir, tiny_server):
+    """--dp 2 --tp 2: two cores, each leading a rank of its own; in float32 each answers as one engine does."""
+    server = ServerProcess("--model", str(tiny_model_dir), "--dp", "2", "--tp", "2", "--threads", "1",
+                           "--dtype", "float32", "--kv-cache-memory", "16MiB")
+    try:
+        tree = descendants(server.proc.pid)
+        cores = [pid for pid, cmd in tree if "spawn_main" in cmd]
+        ranks = [pid for pid, cmd in tree if "kvflow.distributed.worker" in cmd]
+        assert len(cores) == 2 and len(ranks) == 2, tree
+        prompts = ["Once upon a time", "The capital of France is"]
+        for prompt in prompts * 2:  # two conversations: one per replica (the least loaded), then where each is
+            got = httpx.post(f"{server.base_url}/v1/completions", timeout=60, json={
+                "model": "tiny-llama", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+            want = httpx.post(f"{tiny_server.base_url}/v1/completions", timeout=60, json={
+                "model": "tiny-llama", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+            assert got.status_code == 200, got.text
+            assert got.json()["choices"][0]["text"] == want.json()["choices"][0]["text"]
+        replicas = _replicas(server)
+        assert len(replicas) == 2 and all(r["up"] == 1.0 and r["steps"] > 0 for r in replicas.values()), replicas
+    finally:
+        server.stop()
