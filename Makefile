@@ -18,8 +18,12 @@ install: $(VENV)/.installed
 serve: $(VENV)/.installed
 	$(VENV)/bin/kvflow serve $(ARGS)
 
+# Two test processes (pytest-xdist), a file each at a time, each on its own share of the CPUs
+# (tests/worker_cores.py): the suite's many server starts, subprocesses and one-thread Python stretches overlap.
+# TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(ARGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

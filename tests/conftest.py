@@ -12,6 +12,9 @@ import gguf
 import pytest
 import torch
 from tiny_models import TINY_ARCHS, TINY_CONTEXT, TINY_NAME, make_tiny_checkpoint
+from worker_cores import pin_this_worker
+
+pin_this_worker()
 
 # transformers' GGUF loader (the reference's) builds the same tensor-name map once per submodule: 397 times
 # for the default model, 8 of its 20 s of loading. It is a pure function of (architecture, block count).
