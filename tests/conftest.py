@@ -35,6 +35,13 @@ def default_gguf_path() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+@pytest.fixture(autouse=True)
+def _same_random_draws():
+    """Each test draws the same random numbers whatever ran before it in its process (with two test
+    processes, which tests those are changes from run to run)."""
+    torch.manual_seed(0)
+
+
 @pytest.fixture(scope="session")
 def default_gguf() -> Path:
     return default_gguf_path()

@@ -9,6 +9,7 @@ all_reduce; rank 0 alone schedules, samples and serves.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -37,11 +38,25 @@ class TensorParallelGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of x over the ranks, in place; a failed peer raises TensorParallelError."""
-        try:
+        with _collective():
             dist.all_reduce(x)
-        except RuntimeError as exc:
-            raise TensorParallelError(f"a tensor-parallel rank failed mid-step: {first_sentence(exc)}") from None
         return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's x (same shape on each), joined along the last dimension in rank order."""
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        with _collective():
+            dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-1)
+
+
+@contextmanager
+def _collective():
+    """A collective whose failure (a dead peer) is the group's: TensorParallelError, in one sentence."""
+    try:
+        yield
+    except RuntimeError as exc:
+        raise TensorParallelError(f"a tensor-parallel rank failed mid-step: {first_sentence(exc)}") from None
 
 
 def first_sentence(exc: BaseException) -> str:

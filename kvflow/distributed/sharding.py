@@ -7,7 +7,8 @@ of the MLP's hidden columns.
   o_proj, down     "row parallel": the rank's input columns; its output is a partial sum over the hidden
                    size, and one all_reduce per layer output joins them (after o_proj, after the whole MLP,
                    so a mixture of experts sums its experts locally, then once across ranks).
-Norms, the embedding and the output head stay whole on every rank. With fewer KV heads than ranks, each
+Norms stay whole on every rank. The embedding and the output head are split by vocabulary rows where it
+divides evenly (vocab_parallel.py), else kept whole. With fewer KV heads than ranks, each
 KV head is kept by the ranks whose query heads read it (vLLM replicates them the same way).
 
 Weights are cut as they load (`WeightSharder`): a float tensor after its name is known, a packed GGUF tensor
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from kvflow.distributed.group import TensorParallelGroup
+from kvflow.distributed.vocab_parallel import VocabParallelEmbedding, VocabParallelHead
 from kvflow.models.arch import ArchConfig
 
 Segments = list[tuple[int, int]]  # (start, count) along one dimension of the whole tensor
@@ -75,7 +77,17 @@ def shard_arch(arch: ArchConfig, rank: int, world: int) -> ArchConfig:
         arch, num_heads=share.q_count, num_kv_heads=share.kv_count,
         intermediate_size=arch.intermediate_size // world,
         moe_intermediate_size=arch.moe_intermediate_size // world,
+        vocab_shard=vocab_share(arch, rank, world),
     )
+
+
+def vocab_share(arch: ArchConfig, rank: int, world: int) -> tuple[int, int] | None:
+    """The (first row, rows) of the vocabulary a rank keeps (vocab_parallel.py); None where the vocabulary
+    does not divide evenly, and every rank keeps it whole."""
+    if world == 1 or arch.vocab_size % world:
+        return None
+    rows = arch.vocab_size // world
+    return rank * rows, rows
 
 
 class WeightSharder:
@@ -84,6 +96,7 @@ class WeightSharder:
     def __init__(self, arch: ArchConfig, rank: int, world: int) -> None:
         self.arch, self.rank, self.world = arch, rank, world
         self.share = head_share(arch, rank, world)
+        self.vocab = vocab_share(arch, rank, world)
 
     # --- where a tensor is cut --------------------------------------------------------------------
     def row_segments(self, name: str, rows: int) -> Segments | None:
@@ -99,6 +112,8 @@ class WeightSharder:
         if proj == "qkv_proj":
             q_size, kv_size = a.num_heads * hd, a.num_kv_heads * hd
             return [q_rows, (q_size + kv_rows[0], kv_rows[1]), (q_size + kv_size + kv_rows[0], kv_rows[1])]
+        if proj in ("embed_tokens", "lm_head"):
+            return None if self.vocab is None else [self.vocab]
         if proj in ("gate_proj", "up_proj"):
             return [self._even(rows)]
         if proj == "gate_up_proj":
@@ -164,10 +179,15 @@ class WeightSharder:
 
 
 def install_reductions(model: nn.Module, group: TensorParallelGroup) -> None:
-    """Sum each decoder layer's attention output (after o_proj) and MLP output across the ranks."""
+    """Sum each decoder layer's attention output (after o_proj) and MLP output across the ranks; with the
+    vocabulary split, sum the embedding's lookups and join the head's logits."""
     def summed(_module, _inputs, output):
         return group.all_reduce(output.contiguous())
 
     for layer in model.layers:
         layer.self_attn.o_proj.register_forward_hook(summed)
         layer.mlp.register_forward_hook(summed)
+    if model.arch.vocab_shard is not None:
+        start, rows = model.arch.vocab_shard
+        model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, start, rows, group)
+        model.lm_head = VocabParallelHead(model.lm_head, group)

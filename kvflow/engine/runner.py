@@ -216,8 +216,12 @@ class ModelRunner:
     @torch.inference_mode()
     def run_shard_step(self, block_copies: list[tuple[int, int]], inputs: StepInputs | None) -> None:
         """A tensor-parallel rank other than 0: rank 0's step on this rank's shard (its sums join rank 0's;
-        the logits are rank 0's to compute)."""
+        so do its rows of the logits, which rank 0 alone samples from)."""
         self.copy_blocks(block_copies)
-        if inputs is not None:
+        if inputs is None:
+            return
+        if self.loaded.arch.vocab_shard is not None:
+            self.executor.execute(inputs)
+        else:
             self.executor.bind()
             self.executor.forward(inputs.input_ids, inputs.positions, inputs.meta)

@@ -38,7 +38,15 @@ class ArchConfig:
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # Tensor parallelism: the (first row, rows) of the vocabulary this rank's embedding and output head keep;
+    # None: the whole vocabulary (kvflow/distributed/sharding.py).
+    vocab_shard: tuple[int, int] | None = None
     raw: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def vocab_rows(self) -> int:
+        """Rows of the embedding and the output head held here: this rank's share, else the vocabulary."""
+        return self.vocab_size if self.vocab_shard is None else self.vocab_shard[1]
 
     @property
     def rotary_dim(self) -> int:

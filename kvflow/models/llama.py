@@ -113,12 +113,12 @@ class LlamaForCausalLM(nn.Module):
         # No random init: the checkpoint overwrites the table, and pages never written cost no memory when
         # --quantization gguf swaps it for a packed one.
         self.embed_tokens = nn.Embedding(
-            arch.vocab_size, arch.hidden_size, _weight=torch.empty(arch.vocab_size, arch.hidden_size)
+            arch.vocab_rows, arch.hidden_size, _weight=torch.empty(arch.vocab_rows, arch.hidden_size)
         )
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(self.decoder_layer(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.lm_head = Linear(arch.hidden_size, arch.vocab_size)
+        self.lm_head = Linear(arch.hidden_size, arch.vocab_rows)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

@@ -77,3 +77,20 @@ def test_fused_checkpoint_tensors_are_cut_part_by_part():
 def test_sizes_that_do_not_divide_are_refused_by_name(change, message):
     with pytest.raises(ValueError, match=message):
         check_divisible(dataclasses.replace(ARCH, **change), 4)
+
+
+def test_the_vocabulary_is_split_by_rows_where_it_divides(default_gguf):
+    assert [shard_arch(ARCH, r, 2).vocab_shard for r in range(2)] == [(0, 50), (50, 50)]
+    odd = dataclasses.replace(ARCH, vocab_size=101)
+    assert shard_arch(odd, 1, 2).vocab_shard is None  # 101 rows do not halve: every rank keeps them all
+    assert WeightSharder(odd, 1, 2).row_segments("embed_tokens.weight", 101) is None
+    # The default model's packed embedding table (its head's too: they are tied), cut to each rank's rows.
+    reader = gguf_file.open_gguf(default_gguf)
+    cfg = gguf_file.hf_config_from_gguf(reader, default_gguf)
+    arch = ArchConfig.from_hf_config(cfg)
+    table = next(r for r in gguf_file.iter_gguf_raw(reader, cfg) if r.hf_name == "model.embed_tokens.weight")
+    whole = _dequantized(table)
+    rows = arch.vocab_size // 3
+    for rank in range(3):
+        cut = WeightSharder(arch, rank, 3).narrow_raw(table)
+        assert torch.equal(_dequantized(cut), whole[rank * rows: (rank + 1) * rows])

@@ -6,10 +6,11 @@ from __future__ import annotations
 import time
 
 import pytest
-from tiny_models import TINY_ARCHS
+from tiny_models import TINY_ARCHS, TINY_VOCAB
 
 from kvflow import LLM, SamplingParams
 from kvflow.distributed.group import TensorParallelError
+from kvflow.distributed.vocab_parallel import VocabParallelEmbedding, VocabParallelHead
 
 from .tp_helpers import REL_TOL, run_capturing_logits, worst_relative_difference
 
@@ -56,6 +57,12 @@ def test_a_killed_rank_ends_the_request_with_an_error(tiny_checkpoints):
     llm = LLM(str(tiny_checkpoints["llama"]), tensor_parallel_size=2, threads=1, device="cpu", dtype="float32",
               kv_cache_memory=8 << 20)
     try:
+        # Rank 0 holds the first half of the vocabulary's rows, in the embedding and in the (untied) head.
+        model = llm.engine.loaded.model
+        assert isinstance(model.embed_tokens, VocabParallelEmbedding)
+        assert isinstance(model.lm_head, VocabParallelHead)
+        assert model.embed_tokens.inner.weight.shape[0] == model.lm_head.inner.weight.shape[0] == TINY_VOCAB // 2
+        assert model.embed_tokens.start == 0
         stream = llm.stream({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=400, ignore_eos=True))
         next(stream)
         llm.engine.ranks.processes[0].kill()

@@ -10,7 +10,7 @@ from engine_helpers import make_llm
 from kvflow import SamplingParams
 from kvflow.config import ModelConfig
 from kvflow.executors.compile import compiler_available
-from kvflow.executors.model_setup import load_model
+from kvflow.executors.model_setup import load_model, set_threads
 from kvflow.layers.attention.forward_context import forward_context
 from kvflow.layers.attention.metadata import AttentionMetadata
 
@@ -23,6 +23,7 @@ def fast(tiny_checkpoints):
     """The fast CPU mode on the tiny random Llama (its weights int4-packed, float16 KV), compiled, and with the
     native decoder set aside so that every step runs the compiled PyTorch layers. (The default model's 30
     layers took 46 s to compile here; two layers run the same graphs' code.)"""
+    set_threads(None)  # the count the engines below set: the compiled graphs are guarded on it
     loaded = load_model(ModelConfig(model=str(tiny_checkpoints["llama"]), compile="on", quantization="int4"))
     assert loaded.compiled is not None
     assert loaded.plan.mode == "fast" and loaded.quantization == "int4" and loaded.kv_cache_dtype == torch.float16
