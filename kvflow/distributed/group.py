@@ -106,12 +106,22 @@ def join_from_env(world_size: int, device: str = "cpu") -> TensorParallelGroup:
     return join(int(os.environ["RANK"]), given, "env://", device)
 
 
-def leave() -> None:
-    """Leave the group (at shutdown; a group with a dead rank is dropped without waiting for it)."""
+def leave(together: bool = False) -> None:
+    """Leave the group (at shutdown; a group with a dead rank is dropped without waiting for it).
+    together: a healthy group's ranks first wait for each other (10 s at most), so that none tears its
+    connections down while a peer still uses them (a rank under torchrun has no child to wait for)."""
     global _GROUP
     if _GROUP is None:
         return
-    _GROUP = None
+    backend, _GROUP = _GROUP.backend, None
+    if together:
+        try:
+            if backend == "gloo":
+                dist.monitored_barrier(timeout=timedelta(seconds=10), wait_all_ranks=True)
+            else:
+                dist.barrier()
+        except Exception:  # noqa: BLE001 - a peer already gone: leave anyway
+            pass
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - a broken group cannot be torn down cleanly; the process exits anyway

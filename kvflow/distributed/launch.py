@@ -70,6 +70,7 @@ class Ranks:
                 step_channel.send(step_channel.StepMessage("stop"))
             except group.TensorParallelError:
                 pass
+        group.leave(together=self.failure is None)
         deadline = time.monotonic() + timeout_s
         for proc in self.processes:
             try:
@@ -77,7 +78,6 @@ class Ranks:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        group.leave()
 
 
 def start(model_config: ModelConfig) -> Ranks | None:

@@ -45,10 +45,12 @@ def run(model_config: ModelConfig) -> int:
     set_threads(model_config.threads)
     torch.manual_seed(model_config.seed)
     tp = group.current()
+    stopped = False  # by rank 0's "stop": the group is healthy, and its ranks leave it together
     try:
         loaded = load_model(model_config, with_tokenizer=False)
         first = step_channel.receive()
-        if first.kind != "layout":
+        if first.kind != "layout":  # rank 0 stopped before its first step
+            stopped = first.kind == "stop"
             return 0
         layout = first.layout
         cache = CacheConfig(block_size=layout.block_size, kv_cache_dtype=layout.kv_cache_dtype)
@@ -59,13 +61,14 @@ def run(model_config: ModelConfig) -> int:
         while True:
             message = step_channel.receive()
             if message.kind == "stop":
+                stopped = True
                 return 0
             runner.run_shard_step(message.block_copies, message.inputs)
     except TensorParallelError as exc:
         log.error("rank %d stops: %s", tp.rank, exc)
         return 1
     finally:
-        group.leave()
+        group.leave(together=stopped)
 
 
 if __name__ == "__main__":
