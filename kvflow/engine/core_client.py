@@ -14,6 +14,7 @@ code, /health answers 503, and the `on_death` callbacks run (the server then exi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import multiprocessing
@@ -116,6 +117,7 @@ class EngineCoreClient(EngineFrontEnd):
         self._streams: dict[str, tuple[RequestStream, asyncio.AbstractEventLoop, RequestAssembler]] = {}
         self._admissions: dict[str, tuple[asyncio.Future, asyncio.AbstractEventLoop]] = {}
         self._stats = EngineStats()
+        self._steps_before = 0  # steps the cores before this one ran (after a restart)
         self._ids = itertools.count(1)
         self._running = False
         self._stopping = False
@@ -226,8 +228,8 @@ class EngineCoreClient(EngineFrontEnd):
                 return
             _, admissions, outputs, failures, stats, steps, failure = message
             self._stats = stats
-            for record in steps:
-                self.engine.step_history.add(record)
+            for record in steps:  # numbered on from the steps of the cores before this one
+                self.engine.step_history.add(dataclasses.replace(record, step=record.step + self._steps_before))
             self.engine.failure = failure
             self._deliver(admissions, outputs, failures)
 
@@ -308,6 +310,7 @@ class EngineCoreClient(EngineFrontEnd):
             self.engine.failure = f"{reason}; a new one failed to start: {exc}"
             return False
         self.num_restarts += 1
+        self._steps_before = self._stats.num_steps + self._steps_before
         self._stats = EngineStats()
         self.engine.failure = None
         log.warning("the new engine core is serving")

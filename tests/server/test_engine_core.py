@@ -75,9 +75,13 @@ def test_with_engine_restarts_a_dead_core_is_replaced_until_they_are_spent(tiny_
             time.sleep(0.2)
         second = core_pids(server)
         assert len(second) == 1 and second != first
+        last_step = max(r["step"] for r in httpx.get(f"{server.base_url}/kvflow/live").json()["steps"])
         answer = client.completions.create(model="tiny-llama", prompt="Once upon", max_tokens=5,
                                            extra_body={"ignore_eos": True})
         assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 5
+        # The page's step numbers go on from the first core's: a page polling "since" its last step sees the new ones.
+        new_steps = httpx.get(f"{server.base_url}/kvflow/live", params={"since": last_step}).json()["steps"]
+        assert new_steps and min(r["step"] for r in new_steps) > last_step
         # The one restart is spent: the next death ends the server, non-zero.
         subprocess.run(["kill", "-9", str(second[0])], check=True)
         assert server.proc.wait(30) == 1
