@@ -30,7 +30,7 @@ from kvflow.kernels.cpu_features import cpu_name
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from server.server_process import ServerProcess  # noqa: E402
-from server.test_engine_core import descendants  # noqa: E402
+from server.test_engine_core import core_pids, descendants  # noqa: E402
 
 QUESTIONS = ["Explain how a hash map works.", "Write a short story about a lighthouse.",
              "List ten uses of a paperclip.", "Describe the water cycle.", "How do vaccines work?",
@@ -119,7 +119,7 @@ def main() -> None:
     samples: dict[str, list[float]] = {"engine alone": [], **{name: [] for name in servers}}
     shares = {}
     for name, server in servers.items():
-        cores = [pid for pid, cmd in descendants(server.proc.pid) if "spawn_main" in cmd]
+        cores = core_pids(server)
         shares[name] = CpuShares({"front end": server.proc.pid, "client": os.getpid(),
                                   **({"core": cores[0]} if cores else {})})
     shares["engine alone"] = CpuShares({"core": os.getpid()})

@@ -146,6 +146,14 @@ def build_off_the_main_thread(factory: Callable[[], T]) -> T:
     return result[0]
 
 
+_REQUEST_NUMBERS = itertools.count(1)
+
+
+def new_request_id() -> str:
+    """An id for a request whose caller gave none: unique in this process, and across restarts."""
+    return f"req-{next(_REQUEST_NUMBERS)}-{uuid.uuid4().hex[:8]}"
+
+
 class EngineFrontEnd:
     """What the server's routes use of an engine, shared by the ways of running one: AsyncEngine (a thread of
     this process), EngineCoreClient (a process of its own) and DataParallelClient (several). A subclass keeps
@@ -171,6 +179,12 @@ class EngineFrontEnd:
             failure = self.engine.failure
             raise EngineDeadError(f"the engine failed: {failure}" if failure else "the engine is not running")
 
+    async def prompt_ids(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        """The prompt's text (None where it came as ids) and its ids, tokenized off the event loop."""
+        if isinstance(prompt, str):
+            return prompt, await asyncio.to_thread(self.engine.tokenize, prompt)
+        return None, list(prompt)
+
     async def generate(
         self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
@@ -191,7 +205,6 @@ class AsyncEngine(EngineFrontEnd):
         self._pending_adds = 0
         self._stopping = False
         self._streams: dict[str, tuple[RequestStream, asyncio.AbstractEventLoop]] = {}  # engine thread only
-        self._ids = itertools.count(1)
         self._stats = EngineStats()
         self._thread: threading.Thread | None = None
         # Called on the caller's event loop with each finished output (metrics).
@@ -238,7 +251,7 @@ class AsyncEngine(EngineFrontEnd):
         (prompt too long, max_tokens too large...), EngineDeadError once the engine is shut down."""
         self.check_running()
         loop = asyncio.get_running_loop()
-        request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        request_id = request_id or new_request_id()
         stream = RequestStream(request_id, self)
         add = _Add(request_id, prompt if isinstance(prompt, str) else list(prompt), params, stream, loop,
                    loop.create_future())

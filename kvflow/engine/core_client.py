@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import logging
 import multiprocessing
 import threading
-import uuid
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 
@@ -31,6 +29,7 @@ from kvflow.engine.async_engine import (
     RequestStream,
     _call_soon,
     _resolve,
+    new_request_id,
 )
 from kvflow.engine.core_output import CoreOutput
 from kvflow.engine.core_process import CoreInfo, core_main
@@ -118,7 +117,6 @@ class EngineCoreClient(EngineFrontEnd):
         self._admissions: dict[str, tuple[asyncio.Future, asyncio.AbstractEventLoop]] = {}
         self._stats = EngineStats()
         self._steps_before = 0  # steps the cores before this one ran (after a restart)
-        self._ids = itertools.count(1)
         self._running = False
         self._stopping = False
         self.finished_listeners: list[Callable[[RequestOutput], None]] = []
@@ -180,15 +178,15 @@ class EngineCoreClient(EngineFrontEnd):
                           request_id: str | None = None) -> RequestStream:
         """Tokenize here (off the event loop), then queue the ids in the core."""
         self.check_running()
-        ids = (await asyncio.to_thread(self.engine.tokenize, prompt)) if isinstance(prompt, str) else list(prompt)
-        return await self.submit(prompt if isinstance(prompt, str) else None, ids, params, request_id)
+        text, ids = await self.prompt_ids(prompt)
+        return await self.submit(text, ids, params, request_id)
 
     async def submit(self, prompt: str | None, token_ids: list[int], params: SamplingParams,
                      request_id: str | None = None) -> RequestStream:
         """Queue a tokenized prompt (prompt: its text, where it had one, for the outputs)."""
         self.check_running()
         loop = asyncio.get_running_loop()
-        request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        request_id = request_id or new_request_id()
         stream = RequestStream(request_id, self)
         assembler = RequestAssembler(request_id, prompt, token_ids, params, self.engine.tokenizer)
         admitted = loop.create_future()
@@ -228,8 +226,10 @@ class EngineCoreClient(EngineFrontEnd):
                 return
             _, admissions, outputs, failures, stats, steps, failure = message
             self._stats = stats
-            for record in steps:  # numbered on from the steps of the cores before this one
-                self.engine.step_history.add(dataclasses.replace(record, step=record.step + self._steps_before))
+            for record in steps:  # after a restart, numbered on from the steps of the cores before this one
+                if self._steps_before:
+                    record = dataclasses.replace(record, step=record.step + self._steps_before)
+                self.engine.step_history.add(record)
             self.engine.failure = failure
             self._deliver(admissions, outputs, failures)
 
@@ -310,7 +310,7 @@ class EngineCoreClient(EngineFrontEnd):
             self.engine.failure = f"{reason}; a new one failed to start: {exc}"
             return False
         self.num_restarts += 1
-        self._steps_before = self._stats.num_steps + self._steps_before
+        self._steps_before += self._stats.num_steps
         self._stats = EngineStats()
         self.engine.failure = None
         log.warning("the new engine core is serving")

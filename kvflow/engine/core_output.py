@@ -41,7 +41,7 @@ def core_output(out: RequestOutput, prompt_logprobs_sent: int) -> CoreOutput:
     sequences = []
     for c in out.outputs:
         new = len(c.delta_token_ids)
-        logprobs = None if c.logprobs is None else (c.logprobs[len(c.logprobs) - new:] if new else [])
+        logprobs = None if c.logprobs is None else c.logprobs[len(c.logprobs) - new:]  # the core drops none
         sequences.append(SequenceDelta(c.index, list(c.delta_token_ids), logprobs, c.cumulative_logprob,
                                        c.finish_reason, c.stop_reason))
     metrics = out.metrics if out.finished else dataclasses.replace(out.metrics, token_times=[])

@@ -14,13 +14,13 @@ A replica that dies fails its own requests (core_client.py) and gets no new ones
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import itertools
 import logging
-import uuid
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+
+import torch
 
 from kvflow.config import EngineConfig
 from kvflow.engine.async_engine import EngineDeadError, EngineFrontEnd, EngineStats, RequestStream
@@ -70,10 +70,6 @@ class PrefixRouter:
 
 def replica_gpus(device: str, size: int, tp: int) -> list[str] | None:
     """On CUDA, each replica's own GPUs (tp of them, as CUDA_VISIBLE_DEVICES); None on CPU."""
-    import os
-
-    import torch
-
     from kvflow.executors.plan import pick_device
 
     if pick_device(device).type != "cuda":
@@ -115,7 +111,6 @@ class DataParallelClient(EngineFrontEnd):
         self.on_death: list[Callable[[str], None]] = []  # run when the last replica dies
         for i, replica in enumerate(self.replicas):
             replica.on_death.append(lambda reason, i=i: self._replica_died(i, reason))
-        self._ids = itertools.count(1)
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -177,9 +172,7 @@ class DataParallelClient(EngineFrontEnd):
         loads = {i: r.stats.num_running + r.num_waiting for i, r in enumerate(self.replicas) if r.is_running}
         if not loads:
             raise EngineDeadError(f"no replica is running ({self.status})")
-        request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        text = prompt if isinstance(prompt, str) else None
-        ids = (await asyncio.to_thread(self.engine.tokenize, prompt)) if text is not None else list(prompt)
+        text, ids = await self.prompt_ids(prompt)
         hashes = self.router.block_hashes(ids)
         chosen = self.router.pick(hashes, loads)
         self.router.remember(chosen, hashes)

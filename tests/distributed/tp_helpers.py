@@ -12,11 +12,8 @@ REL_TOL = 1e-5  # float32 logits of a split model against the whole one (sums in
 def run_capturing_logits(model: str | None, tp: int, prompts: list, params: SamplingParams, **options):
     """Greedy outputs and every step's float32 logits (rank 0's), with the model split over tp ranks."""
     steps: list[torch.Tensor] = []
-    if "loaded_model" in options:  # the whole model already loaded (the device is its own)
-        llm = LLM(model, tensor_parallel_size=tp, threads=1, **options)
-    else:
-        llm = LLM(model, tensor_parallel_size=tp, threads=1, device="cpu", **options)
-    with llm:
+    device = {} if "loaded_model" in options else {"device": "cpu"}  # a model already loaded has its own
+    with LLM(model, tensor_parallel_size=tp, threads=1, **device, **options) as llm:
         execute = llm.engine.runner.execute
 
         def spy(scheduler_output):

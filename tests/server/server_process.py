@@ -37,7 +37,6 @@ class ServerProcess:
             self.stop()
             raise
 
-
     def output(self) -> str:
         self.log.flush()
         self.log.seek(0)

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from .server_process import ServerProcess
-from .test_engine_core import descendants
+from .test_engine_core import core_pids, descendants
 
 SYSTEM = ("You are a coding agent. Tools: read_file, write_file, run_tests. Answer with one tool call. "
           "The repository holds a parser, a scheduler and a cache; keep changes small. " * 3)
@@ -86,10 +86,8 @@ def test_replicas_of_tensor_parallel_ranks_answer_as_one_engine(tiny_model_dir, 
     server = ServerProcess("--model", str(tiny_model_dir), "--dp", "2", "--tp", "2", "--threads", "1",
                            "--dtype", "float32", "--kv-cache-memory", "16MiB")
     try:
-        tree = descendants(server.proc.pid)
-        cores = [pid for pid, cmd in tree if "spawn_main" in cmd]
-        ranks = [pid for pid, cmd in tree if "kvflow.distributed.worker" in cmd]
-        assert len(cores) == 2 and len(ranks) == 2, tree
+        ranks = [pid for pid, cmd in descendants(server.proc.pid) if "kvflow.distributed.worker" in cmd]
+        assert len(core_pids(server)) == 2 and len(ranks) == 2, descendants(server.proc.pid)
         prompts = ["Once upon a time", "The capital of France is"]
         for prompt in prompts * 2:  # two conversations: one per replica (the least loaded), then where each is
             got = httpx.post(f"{server.base_url}/v1/completions", timeout=60, json={

@@ -28,11 +28,16 @@ def descendants(pid: int) -> list[tuple[int, str]]:
     return found
 
 
+def core_pids(server: ServerProcess) -> list[int]:
+    """The engine core processes under a server (multiprocessing's spawn runs them)."""
+    return [pid for pid, cmd in descendants(server.proc.pid) if "spawn_main" in cmd]
+
+
 def test_a_dead_core_fails_the_open_stream_and_the_server_exits_non_zero(tiny_model_dir):
     server = ServerProcess("--model", str(tiny_model_dir), "--threads", "1", "--kv-cache-memory", "16MiB",
                            "--engine-process", "on")
     try:
-        cores = [pid for pid, cmd in descendants(server.proc.pid) if "spawn_main" in cmd]
+        cores = core_pids(server)
         assert len(cores) == 1, descendants(server.proc.pid)
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
         stream = iter(client.completions.create(model="tiny-llama", prompt="Once upon", max_tokens=3000,
@@ -48,10 +53,6 @@ def test_a_dead_core_fails_the_open_stream_and_the_server_exits_non_zero(tiny_mo
         assert "the engine core process died (exit code -9)" in server.output()
     finally:
         server.stop()
-
-
-def core_pids(server: ServerProcess) -> list[int]:
-    return [pid for pid, cmd in descendants(server.proc.pid) if "spawn_main" in cmd]
 
 
 def test_with_engine_restarts_a_dead_core_is_replaced_until_they_are_spent(tiny_model_dir):
