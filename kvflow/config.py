@@ -52,6 +52,10 @@ class SchedulerConfig:
     max_model_len: int = 8192  # filled from ModelConfig once the model is known
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # 0: no cap per request beyond the step budget
+    # While sequences decode, a step carrying prompt chunks may take at most this many times what their
+    # decodes alone take (predicted from the steps seen; engine/step_budget.py), so a long prefill slows
+    # other users' tokens by at most this factor. 0: the token budget alone bounds a step.
+    max_decode_slowdown: float = 2.0
     # Which waiting request is admitted next: "fcfs" (arrival order) or "lpm" (longest prefix match: the one
     # with the most prompt tokens in the prefix cache, among the first LPM_WINDOW waiting, unless the head
     # has been passed over LPM_MAX_PASSES times or was preempted; engine/scheduler.py).
@@ -82,6 +86,9 @@ def engine_config(**options) -> EngineConfig:
             setattr(owner, name, value)
     if config.scheduler.max_num_batched_tokens < 1 or config.scheduler.max_num_seqs < 1:
         raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+    slowdown = config.scheduler.max_decode_slowdown
+    if not (slowdown == 0 or slowdown >= 1):
+        raise ValueError(f"max_decode_slowdown must be 0 (off) or >= 1, not {slowdown}")
     if config.cache.block_size < 1:
         raise ValueError("block_size must be >= 1")
     if config.scheduler.scheduling_policy not in ("fcfs", "lpm"):

@@ -95,7 +95,7 @@ class LLMEngine:
         self.speculator = None
         if spec is not None:
             source = build_source(spec, self.loaded, config.scheduler.max_num_seqs)
-            self.speculator = Speculator(spec, source)
+            self.speculator = Speculator(spec, source, self.scheduler.step_budget.decode_costs)
 
     def _lead_ranks(self, attention_backend: str) -> None:
         """Rank 0 of a tensor-parallel group: refuse what cannot run split yet, lay the other ranks' KV caches
@@ -320,9 +320,11 @@ class LLMEngine:
             except Exception as exc:  # noqa: BLE001 - one request's failure must not end the others'
                 self._fail_group(self.sequences.get(request.request_id), exc, touched)
         self.num_steps += 1
+        seconds = time.perf_counter() - t0
+        self.scheduler.step_budget.observe(sched, seconds - drafting)
         if self.speculator is not None:
-            self._learn_from_step(sched, sampled, time.perf_counter() - t0 - drafting)
-        self._record_step(sched, time.perf_counter() - t0)
+            self._settle_drafts(sched, sampled)
+        self._record_step(sched, seconds)
         outputs = []
         for group_id in touched:
             group = self.groups.get(group_id)
@@ -409,21 +411,12 @@ class LLMEngine:
         seq = self.sequences.get(request.request_id)
         return seq is not None and seq.grammar is None
 
-    def _learn_from_step(self, sched: SchedulerOutput, sampled: dict[str, list[int]], seconds: float) -> None:
-        """Acceptance per speculating sequence; and, for a step of decodes only, what it cost."""
-        decode_only = True
-        draft_rows = context = row_context = 0
+    def _settle_drafts(self, sched: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
+        """What each speculating sequence's drafts came to (its acceptance estimates)."""
         for s in sched.scheduled:
-            n = len(s.draft_token_ids)
-            draft_rows += n
-            length = s.start + s.num_tokens  # the tokens this step's rows of the sequence attend over, at most
-            context += length
-            row_context += n * length
-            decode_only &= s.num_tokens == 1 + n and s.start >= s.request.num_prompt_tokens
             if s.sample and self._may_speculate(s.request):
+                n = len(s.draft_token_ids)
                 self.speculator.settle(s.request_id, n, max(len(sampled.get(s.request_id, [])) - 1, 0))
-        if decode_only and sched.scheduled:
-            self.speculator.observe_step(len(sched.scheduled), draft_rows, seconds, context, row_context)
 
     def _fail_group(self, seq: SequenceState | None, exc: Exception, touched: set[str]) -> None:
         """The engine failed on one request: it alone ends, with the error in its output; the others go on."""
@@ -552,7 +545,8 @@ class LLMEngine:
                 decode += s.num_tokens
         record = StepRecord(step=self.num_steps, t=time.time(), seconds=seconds,
                             prefill_tokens=sched.total_num_scheduled_tokens - decode, decode_tokens=decode,
-                            batch_size=len(sched.scheduled), kv_usage=self.scheduler.kv_cache_manager.usage)
+                            batch_size=len(sched.scheduled), kv_usage=self.scheduler.kv_cache_manager.usage,
+                            limit_seconds=self.scheduler.step_budget.limit_seconds)
         self.step_history.add(record)
         if self._trace is not None:
             self._trace.write(json.dumps(record.as_dict()) + "\n")

@@ -42,6 +42,9 @@ class StepInputs:
     # Rows that hold draft tokens (speculative decoding). Executors whose arithmetic depends on a step's
     # row count decide by the rows without them, so a verified token is computed as plain decoding would.
     num_draft_rows: int = 0
+    # Sequences computing one known token (decoding; their drafts aside): executors choose their arithmetic
+    # for these as in a step of decodes alone, whatever prompt chunks run beside them.
+    num_decode_rows: int = 0
 
 
 @dataclass
@@ -168,6 +171,7 @@ class ModelRunner:
             sample_request_ids=sample_ids,
             prompt_spans=spans,
             num_draft_rows=sum(len(seq.draft_token_ids) for seq in scheduled),
+            num_decode_rows=sum(seq.num_tokens - len(seq.draft_token_ids) == 1 for seq in scheduled),
         )
 
     def _cache_places(self, scheduled, positions: list[np.ndarray], group: int) -> dict:

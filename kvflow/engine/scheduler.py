@@ -22,6 +22,7 @@ from kvflow.engine.kv_cache_groups import KVCacheGroups
 from kvflow.engine.kv_cache_manager import KVCacheManager
 from kvflow.engine.request import Request, RequestStatus, now
 from kvflow.engine.scheduler_output import ScheduledSequence, SchedulerOutput
+from kvflow.engine.step_budget import StepBudget
 
 PROMPT_LOGITS_CHUNK = 512  # at most this many prompt tokens a step for a request that wants their logits
 # The "lpm" policy looks this far down the waiting queue for the longest cached prefix, and admits the head
@@ -65,6 +66,8 @@ class Scheduler:
         self._finished_ids: list[str] = []  # reported in the next SchedulerOutput
         self._pending_copies: list[tuple[int, int]] = []  # from forks, done before the next forward
         self.num_preemptions = 0  # since start, for metrics
+        # Bounds the prompt rows of a step in which others decode; the engine feeds it each step's time.
+        self.step_budget = StepBudget(scheduler_config.max_decode_slowdown)
 
     # ---- queues -------------------------------------------------------------------------------------
     @property
@@ -190,6 +193,7 @@ class Scheduler:
         out = SchedulerOutput(finished_request_ids=self._finished_ids, block_copies=self._pending_copies)
         self._finished_ids, self._pending_copies = [], []
         budget = self.config.max_num_batched_tokens
+        self.step_budget.start_step(self.running)
         budget = self._schedule_running(out, budget)
         # After a preemption the pool is short: admitting new work now would only cause more of it.
         if not out.preempted_request_ids:
@@ -197,22 +201,24 @@ class Scheduler:
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         return out
 
-    def _chunk_size(self, request: Request, num_left: int, budget: int) -> int:
-        """How many of a request's num_left tokens to compute now; 0 means not this step. Without chunked
-        prefill a request runs whole or waits, so the per-request threshold does not apply."""
+    def _chunk_size(self, request: Request, start: int, num_left: int, budget: int) -> int:
+        """How many of a request's num_left tokens from position `start` to compute now; 0 means not this
+        step. Without chunked prefill a request runs whole or waits, so the per-request threshold and the
+        decode-slowdown bound do not apply."""
         if not self.config.enable_chunked_prefill:
             return num_left if num_left <= budget else 0
         if self.config.long_prefill_token_threshold > 0:
             num_left = min(num_left, self.config.long_prefill_token_threshold)
         if request.prompt_logits_from is not None:
             num_left = min(num_left, PROMPT_LOGITS_CHUNK)  # bounds the float32 logits a step holds
-        return min(num_left, budget)
+        return min(self.step_budget.prompt_rows(start, num_left), budget)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0 and len(out.scheduled) < self.config.max_num_seqs:
             request = self.running[i]
-            num_new = self._chunk_size(request, request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._chunk_size(request, request.num_computed_tokens,
+                                       request.num_tokens - request.num_computed_tokens, budget)
             if num_new == 0:
                 i += 1
                 continue
@@ -273,7 +279,7 @@ class Scheduler:
                 hit_block_ids, num_hit_tokens = kv.get_computed_blocks(request)
             else:  # cached blocks hold K/V but no logits: the prompt is computed again
                 hit_block_ids, num_hit_tokens = None, 0
-            num_new = self._chunk_size(request, request.num_tokens - num_hit_tokens, budget)
+            num_new = self._chunk_size(request, num_hit_tokens, request.num_tokens - num_hit_tokens, budget)
             # If the request chosen cannot run, nothing else jumps the queue.
             if num_new == 0 or not kv.allocate_slots(request, num_new, hit_block_ids):
                 break
@@ -317,6 +323,8 @@ class Scheduler:
                        drafts: tuple[int, ...] = ()) -> None:
         start = request.num_computed_tokens
         request.num_computed_tokens += num_new
+        if num_new > 1 and not drafts:
+            self.step_budget.charge(start, num_new)
         primary, *others = self.kv_cache_manager.group_block_ids(request.request_id)
         out.scheduled.append(
             ScheduledSequence(

@@ -17,19 +17,22 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from kvflow.engine.request import Request
+from kvflow.engine.step_budget import StepCosts
 from kvflow.spec.config import SpeculativeConfig
-from kvflow.spec.control import Acceptance, MatchAcceptance, StepCosts, allocate_drafts
+from kvflow.spec.control import Acceptance, MatchAcceptance, allocate_drafts
 from kvflow.spec.sources import DraftSource
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, source: DraftSource) -> None:
+    def __init__(self, config: SpeculativeConfig, source: DraftSource, costs: StepCosts | None = None) -> None:
+        """costs: decode steps' times as learned from every decode-only step (the engine's scheduler keeps
+        them: engine/step_budget.py); a StepCosts of its own when none is given."""
         self.config = config
         self.source = source
         self.acceptance: dict[str, MatchAcceptance] = {}
         self.shared = MatchAcceptance()  # over every request: where a new request's estimates start
         self._judged: dict[str, tuple[Acceptance, Acceptance]] = {}  # this step's (own, shared) estimates
-        self.costs = StepCosts()
+        self.costs = costs if costs is not None else StepCosts()
         self.num_draft_tokens = 0  # verified since start, over every request (metrics)
         self.num_accepted_tokens = 0
 
@@ -98,12 +101,6 @@ class Speculator:
             self.num_accepted_tokens += num_kept
         else:
             acceptance.idle()
-
-    def observe_step(self, batch: int, draft_rows: int, seconds: float, context: int = 0,
-                     draft_row_context: int = 0) -> None:
-        """A decode-only step's time: batch sequences over `context` tokens in all, draft_rows rows beyond
-        one per sequence (draft_row_context: their sequences' lengths, summed over the rows)."""
-        self.costs.observe(batch, draft_rows, seconds, context, draft_row_context)
 
     def forget(self, request: Request) -> None:
         """The request has left the engine."""

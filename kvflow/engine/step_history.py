@@ -22,6 +22,9 @@ class StepRecord:
     decode_tokens: int  # tokens of sequences decoding: one each, plus the drafts a speculative step verifies
     batch_size: int  # sequences in the step
     kv_usage: float  # fraction of KV blocks held by requests after the step
+    # The time this step was planned to stay within, with sequences decoding beside prompt chunks
+    # (engine/step_budget.py); 0 where no such bound applied.
+    limit_seconds: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)

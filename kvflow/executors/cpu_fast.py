@@ -54,9 +54,12 @@ class CpuFastExecutor(LayersExecutor):
         plain_rows = rows - inputs.num_draft_rows
         dense = (self._dense_buffers(rows) if plain_rows >= self.dense_min_rows and native.dense_t is not None
                  else None)
+        # 8-bit inputs for a long prompt's chunk, or where the decoding sequences alone take them: a few
+        # prompt rows beside them (a long prompt bounded by the step budget) neither slow the step down to
+        # 16-bit inputs nor change how the decodes are computed.
         has_prompt_rows = plain_rows > len(meta.seq_lens_cpu)
-        eight_bit = 0 < self.eight_bit_min_rows and plain_rows >= (
-            self.eight_bit_prompt_min_rows if has_prompt_rows else self.eight_bit_min_rows)
+        eight_bit = 0 < self.eight_bit_min_rows and (inputs.num_decode_rows >= self.eight_bit_min_rows or plain_rows >= (
+            self.eight_bit_prompt_min_rows if has_prompt_rows else self.eight_bit_min_rows))
         hidden = torch.empty(rows, self.model.arch.hidden_size)
         picked = inputs.logits_indices
         logits = torch.empty(picked.shape[0], self.vocab_size) if native.head_packed else hidden

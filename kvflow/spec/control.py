@@ -2,7 +2,7 @@
 
 A draft token j (1-based) is kept only if the j - 1 before it were, so with a per-token acceptance rate a
 it makes a**j tokens in expectation, where a plain step makes one per sequence. Each draft adds a row to
-the step, which costs `row_fraction` of a plain step of this batch (measured: StepCosts) and which every
+the step, which costs `row_fraction` of a plain step of this batch (measured: engine/step_budget.StepCosts) and which every
 sequence in the batch waits for. The drafts are chosen for the whole step at once, to maximize its tokens
 per unit of time: (batch + the drafts' expected tokens) / (1 + row_fraction * rows). On a step where the
 weights' bytes dominate, a row is cheap and sequences draft many; in a big batch a row must earn what the
@@ -16,8 +16,6 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import numpy as np
 
 PRIOR_ACCEPTANCE = 0.5  # before a sequence has shown anything
 DECAY = 0.9  # weight of the history in the acceptance estimate, per judged draft token
@@ -66,72 +64,6 @@ class MatchAcceptance:
 
     def of(self, matched: int) -> Acceptance:
         return self.buckets[next((i for i, top in enumerate(MATCH_BUCKETS) if matched <= top), len(MATCH_BUCKETS))]
-
-
-class StepCosts:
-    """A decode step's time, learned as fixed + per_sequence * sequences + per_context * context + per_row *
-    draft_rows + per_row_context * draft_row_context: a least-squares fit over the decode-only steps seen,
-    older ones weighing less. `context` is the tokens the step's sequences attend over (their KV reads),
-    `draft_row_context` the same summed over the draft rows (a row's attention compute): without them a
-    batch at depth 2,000 and one at depth 300 look alike, and a row's cost learned on one misleads the
-    other. Before the steps vary enough to separate the terms, the fit leans on `prior_row_fraction` (a
-    row as a fraction of a one-sequence step). Contexts are counted in thousands of tokens."""
-
-    DECAY = 0.98  # weight of the history, per observed step
-    PRIOR_WEIGHT = 1e-4  # how strongly the fit leans on the prior split
-    TERMS = 5
-
-    def __init__(self, prior_row_fraction: float = 0.15) -> None:
-        self.prior_row_fraction = prior_row_fraction
-        self._xx = np.zeros((self.TERMS, self.TERMS))
-        self._xt = np.zeros(self.TERMS)
-        self._theta: np.ndarray | None = None
-        self.steps = 0
-
-    def observe(self, batch: int, draft_rows: int, seconds: float, context: int = 0,
-                draft_row_context: int = 0) -> None:
-        x = np.array([1.0, float(batch), context / 1000, float(draft_rows), draft_row_context / 1000])
-        self._xx = self.DECAY * self._xx + np.outer(x, x)
-        self._xt = self.DECAY * self._xt + x * seconds
-        self.steps += 1
-        self._theta = None
-
-    def _fit(self) -> np.ndarray | None:
-        if self.steps == 0:
-            return None
-        if self._theta is None:
-            # The prior: a one-sequence step's mean time split evenly into fixed and per-sequence parts,
-            # a row at prior_row_fraction of it, nothing per context; the data moves the fit away from it.
-            mean = self._xt[0] / max(self._xx[0, 0], 1e-12)
-            prior = np.array([mean / 2, mean / 2, 0.0, self.prior_row_fraction * mean, 0.0])
-            scale = self.PRIOR_WEIGHT * max(self._xx[0, 0], 1.0)
-            a, b = self._xx + scale * np.eye(self.TERMS), self._xt + scale * prior
-            # No cost is negative. Where terms move together (a batch of one, at one depth), an
-            # unconstrained fit may trade a negative term against a positive one; clamping one of them
-            # afterwards would skew every prediction. So a term that comes out negative is dropped (held
-            # at 0) and the rest refitted, until none is (an active-set non-negative fit).
-            active = list(range(self.TERMS))
-            while True:
-                theta = np.zeros(self.TERMS)
-                theta[active] = np.linalg.solve(a[np.ix_(active, active)], b[active])
-                if theta.min() >= 0 or len(active) == 1:
-                    break
-                active.remove(int(np.argmin(theta)))
-            self._theta = np.maximum(theta, [0.0, 1e-6, 0.0, 1e-6, 0.0])
-        return self._theta
-
-    def step_seconds(self, batch: int, context: int = 0) -> float:
-        """A plain decode step of this batch (over `context` tokens in all), as fitted (0 before any step)."""
-        theta = self._fit()
-        return 0.0 if theta is None else float(theta[0] + theta[1] * batch + theta[2] * context / 1000)
-
-    def row_fraction(self, batch: int, context: int = 0, row_context: int = 0) -> float:
-        """What one more row (of a sequence `row_context` tokens long) costs, as a fraction of a plain
-        decode step of this batch."""
-        theta = self._fit()
-        if theta is None:
-            return self.prior_row_fraction / batch  # nothing measured yet
-        return float((theta[3] + theta[4] * row_context / 1000) / self.step_seconds(batch, context))
 
 
 def allocate_drafts(rates: Sequence[float], limits: Sequence[int], row_fraction: float, batch: int) -> list[int]:

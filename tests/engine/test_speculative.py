@@ -18,9 +18,10 @@ from hypothesis import strategies as st
 from kvflow import SamplingParams
 from kvflow.config import ModelConfig
 from kvflow.engine.speculation import Speculator, kept_tokens
+from kvflow.engine.step_budget import StepCosts
 from kvflow.executors.model_setup import load_model
 from kvflow.spec.config import SpeculativeConfig
-from kvflow.spec.control import Acceptance, StepCosts, allocate_drafts
+from kvflow.spec.control import Acceptance, allocate_drafts
 from kvflow.spec.ngram import NgramProposer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -254,8 +255,8 @@ def test_a_lookup_is_not_asked_where_no_draft_would_pay():
     speculator = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4), source)
     for batch in (1, 8):
         for _ in range(50):  # 1 ms a step + 1 ms a sequence + 0.8 ms a draft row
-            speculator.observe_step(batch, 4, 0.001 + 0.001 * batch + 0.0032)
-            speculator.observe_step(batch, 0, 0.001 + 0.001 * batch)
+            speculator.costs.observe(batch, 4, 0.001 + 0.001 * batch + 0.0032)
+            speculator.costs.observe(batch, 0, 0.001 + 0.001 * batch)
 
     def decoding(i: int):
         return types.SimpleNamespace(request_id=f"r{i}", num_computed_tokens=9, num_tokens=10, draft_token_ids=None)

@@ -24,14 +24,24 @@ class Router:
     """sglang-router's launcher on a free port, in front of `workers`."""
 
     def __init__(self, workers: list[str]) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="sglang-router-", suffix=".log")  # noqa: SIM115
-        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
-               "--worker-urls", *workers, "--policy", "cache_aware", "--prometheus-port", str(free_port()),
-               "--health-check-interval-secs", "1", "--health-failure-threshold", "1", "--log-level", "warn"]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        wait_until_answering(self.proc, f"{self.base_url}/v1/models", 60, self.output, "sglang-router")
+        # A free port is only free until someone takes it: with two test processes starting servers, the
+        # router once lost that race ("Address already in use"); it then starts again on other ports.
+        for attempt in range(3):
+            self.port = free_port()
+            self.base_url = f"http://127.0.0.1:{self.port}"
+            self.log = tempfile.NamedTemporaryFile("w+", prefix="sglang-router-", suffix=".log")  # noqa: SIM115
+            cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port",
+                   str(self.port), "--worker-urls", *workers, "--policy", "cache_aware", "--prometheus-port",
+                   str(free_port()), "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
+                   "--log-level", "warn"]
+            self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+            try:
+                wait_until_answering(self.proc, f"{self.base_url}/v1/models", 60, self.output, "sglang-router")
+                return
+            except RuntimeError as exc:
+                self.log.close()
+                if "Address already in use" not in str(exc) or attempt == 2:
+                    raise
 
     def healthy(self) -> dict[str, bool]:
         workers = httpx.get(f"{self.base_url}/workers", timeout=5).json()["workers"]

@@ -1,0 +1,149 @@
+"""The decode-slowdown bound: a prompt chunk beside decoding sequences is cut to what the learned step costs
+allow, never below one row, and nothing is cut without decoders; exact-mode outputs do not change."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from engine_helpers import make_llm
+
+from kvflow import SamplingParams
+from kvflow.config import engine_config
+from kvflow.engine.step_budget import PromptChunkCosts, StepBudget, attended_positions
+
+from .test_scheduler import make_request, make_scheduler, step
+
+PER_ROW, PER_ATTENDED, PER_DEPTH = 1e-3, 0.5e-3, 2e-3  # seconds; the last two per 1,000 positions
+
+
+def chunk_seconds(start: int, rows: int) -> float:
+    return PER_ROW * rows + (PER_ATTENDED * attended_positions(start, rows) + PER_DEPTH * start) / 1000
+
+
+def taught_chunk_costs() -> PromptChunkCosts:
+    costs = PromptChunkCosts()
+    for start in range(0, 8000, 250):
+        for rows in (1, 3, 17, 64):
+            costs.observe(rows, attended_positions(start, rows), start, chunk_seconds(start, rows))
+    return costs
+
+
+def test_attended_positions_counts_each_row_up_to_itself():
+    assert attended_positions(0, 1) == 1
+    assert attended_positions(10, 3) == 11 + 12 + 13
+
+
+def test_chunk_costs_learn_rows_attention_and_depth():
+    costs = taught_chunk_costs()
+    for start, rows in ((0, 512), (4000, 2), (7000, 40)):
+        assert costs.seconds(start, rows) == pytest.approx(chunk_seconds(start, rows), rel=0.02)
+
+
+def test_rows_within_is_the_most_that_fit():
+    costs = taught_chunk_costs()
+    for start, seconds in ((0, 0.05), (3000, 0.05), (6000, 0.2)):
+        n = costs.rows_within(seconds, start)
+        assert chunk_seconds(start, n) <= seconds * 1.02 and chunk_seconds(start, n + 1) >= seconds * 0.98, (start, n)
+    assert costs.rows_within(1e-6, 5000) == 1  # not even the K/V read fits: one row still goes
+
+
+def budget_with_decodes(slowdown: float, decode_seconds: float = 0.010) -> StepBudget:
+    """A budget that has seen decode-only steps of 8 sequences taking decode_seconds, and prompt chunks."""
+    budget = StepBudget(slowdown)
+    for _ in range(40):
+        budget.decode_costs.observe(8, 0, decode_seconds, 8 * 100)
+        budget.decode_costs.observe(1, 0, decode_seconds / 4, 100)
+    budget.chunk_costs = taught_chunk_costs()
+    return budget
+
+
+def test_a_prompt_beside_decoders_gets_what_the_slowdown_allows():
+    sched = make_scheduler(num_blocks=512, block_size=16, max_num_batched_tokens=2048)
+    sched.step_budget = budget_with_decodes(2.0)
+    for i in range(8):
+        sched.add_request(make_request(f"d{i}", 90, max_tokens=500, ignore_eos=True))
+    step(sched)
+    step(sched)  # all eight decode now
+    sched.add_request(make_request("long", 3000, max_tokens=1))
+    out = step(sched)
+    chunk = next(s for s in out.scheduled if s.request_id == "long")
+    decode = sched.step_budget.decode_costs.seconds(8, sum(r.num_tokens - 1 for r in sched.running[:8]))
+    assert sched.step_budget.limit_seconds == pytest.approx(2 * decode, rel=0.05)
+    assert 1 < chunk.num_tokens < 2048
+    assert chunk_seconds(0, chunk.num_tokens) <= decode * 1.05 and chunk_seconds(0, chunk.num_tokens + 1) >= decode * 0.95
+    assert all(s.num_tokens == 1 for s in out.scheduled if s.request_id != "long")  # every decoder went
+    # Deeper in the prompt the same allowance buys fewer rows.
+    first = chunk.num_tokens
+    for _ in range(40):
+        out = step(sched)
+    deeper = next(s for s in out.scheduled if s.request_id == "long")
+    assert deeper.start > first and deeper.num_tokens < first
+
+
+def test_no_decoders_or_no_bound_leaves_the_token_budget_alone():
+    for slowdown, decoders in ((2.0, 0), (0.0, 8)):
+        sched = make_scheduler(num_blocks=512, block_size=16, max_num_batched_tokens=2048)
+        sched.step_budget = budget_with_decodes(slowdown)
+        for i in range(decoders):
+            sched.add_request(make_request(f"d{i}", 90, max_tokens=500, ignore_eos=True))
+        step(sched)
+        step(sched)
+        sched.add_request(make_request("long", 3000, max_tokens=1))
+        out = step(sched)
+        chunk = next(s for s in out.scheduled if s.request_id == "long")
+        assert chunk.num_tokens == 2048 - decoders, (slowdown, decoders)
+        assert sched.step_budget.limit_seconds == 0
+
+
+def test_before_any_decode_step_nothing_is_cut():
+    sched = make_scheduler(num_blocks=512, block_size=16, max_num_batched_tokens=2048)
+    for i in range(4):
+        sched.add_request(make_request(f"d{i}", 90, max_tokens=500, ignore_eos=True))
+    step(sched)
+    sched.add_request(make_request("long", 3000, max_tokens=1))
+    chunk = next(s for s in step(sched).scheduled if s.request_id == "long")
+    assert chunk.num_tokens == 2048 - 4
+
+
+def test_the_bound_is_checked():
+    with pytest.raises(ValueError, match="max_decode_slowdown"):
+        engine_config(max_decode_slowdown=0.5)
+    assert engine_config(max_decode_slowdown=0).scheduler.max_decode_slowdown == 0
+
+
+def test_exact_outputs_are_the_same_bounded_or_not_and_the_trace_shows_the_limit(tmp_path, tiny_packed):
+    """Real steps on the tiny model: with the bound, the long prompt goes in small chunks beside the decoders
+    (every such step records the limit it was planned to), and every greedy output is what it is without."""
+    prompts = [list(range(3 + i, 40 + i)) for i in range(4)]
+    long_prompt = [5 + (i * 7) % 200 for i in range(400)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outputs, traces = {}, {}
+    for slowdown in (0.0, 1.0):  # 1.0: no time for prompt rows beside decodes, so one row a step
+        trace = tmp_path / f"trace-{slowdown}.jsonl"
+        llm = make_llm(tiny_packed, max_decode_slowdown=slowdown, max_num_batched_tokens=256,
+                       trace_file=str(trace), enable_prefix_caching=False)
+        engine = llm.engine
+        for _ in range(3):  # decode-only steps to learn from
+            engine.add_request("warm", prompts[0], SamplingParams(temperature=0, max_tokens=8))
+            while engine.has_unfinished_requests():
+                engine.step()
+        ids = [engine.add_request(f"d{i}", p, params) for i, p in enumerate(prompts)]
+        for _ in range(4):
+            engine.step()
+        ids.append(engine.add_request("long", long_prompt, params))
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+        assert all(engine.scheduler.get_request(i) is None for i in ids)
+        outputs[slowdown] = done
+        traces[slowdown] = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert outputs[1.0] == outputs[0.0] and set(outputs[0.0]) == {"d0", "d1", "d2", "d3", "long"}
+    bounded = [r for r in traces[1.0] if r["limit_seconds"] > 0 and r["prefill_tokens"] > 0]
+    assert bounded, "no step carried the long prompt beside the decoders under a limit"
+    assert max(r["prefill_tokens"] for r in bounded) < 256 - 4
+    assert all(r["limit_seconds"] == 0 for r in traces[0.0])
+    unbounded = [r["prefill_tokens"] for r in traces[0.0] if r["prefill_tokens"] > 0]
+    assert max(unbounded) >= 256 - 4  # without the bound the long prompt fills the token budget
