@@ -8,7 +8,7 @@ One engine in this process. Per run: `--decoders` requests (64 random prompt tok
 ignored) decode for 30 steps (the baseline), then a prompt of `--prompt` random tokens arrives and the run
 lasts until its first token. Every step gives each decoder one token, so a decoder's time between tokens is
 the step's time. Runs alternate between the `--slowdowns` settings (SchedulerConfig.max_decode_slowdown; 0:
-the token budget alone) on the same engine. Goal (issue 21): during a 32K prefill among 8 decoders their
+the token budget alone; `--floor-ms` sets SchedulerConfig.step_floor_ms, 0 by default here) on the same engine. Goal (issue 21): during a 32K prefill among 8 decoders their
 TPOT p99 rises by at most 2x, and no step outlasts the limit it was planned to (`over limit` counts the
 steps more than 25% over it).
 """
@@ -37,9 +37,11 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def one_run(llm: LLM, slowdown: float, prompt_len: int, decoders: int, rng: random.Random) -> dict:
+def one_run(llm: LLM, slowdown: float, prompt_len: int, decoders: int, rng: random.Random,
+            floor: float = 0.0) -> dict:
     engine = llm.engine
     engine.scheduler.step_budget.max_decode_slowdown = slowdown
+    engine.scheduler.step_budget.floor_seconds = floor
     vocab = engine.loaded.arch.vocab_size
     room = engine.max_model_len - SHORT_PROMPT - 1
     ids = [engine.add_request(None, [rng.randrange(100, vocab) for _ in range(SHORT_PROMPT)],
@@ -81,6 +83,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=6000, help="tokens of the long prompt")
     ap.add_argument("--decoders", type=int, default=8)
     ap.add_argument("--slowdowns", default="0,2")
+    ap.add_argument("--floor-ms", type=float, default=0.0, help="step_floor_ms for the bounded runs")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
@@ -94,7 +97,7 @@ def main() -> None:
     runs = []
     for repeat in range(args.repeats):
         for slowdown in settings:
-            run = one_run(llm, slowdown, args.prompt, args.decoders, rng)
+            run = one_run(llm, slowdown, args.prompt, args.decoders, rng, args.floor_ms / 1000)
             print(f"repeat {repeat} slowdown {slowdown:g}: " + ", ".join(
                 f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in run.items()), flush=True)
             runs.append(run)
@@ -110,7 +113,7 @@ def main() -> None:
                     f"{sum(r['over'] for r in mine)} of {sum(r['limited'] for r in mine)} |")
     model = args.model or "SmolLM2-135M-Instruct Q4_1 (the default model)"
     intro = (f"`python benchmarks/prefill_among_decoders.py --prompt {args.prompt} --decoders {args.decoders} "
-             f"--slowdowns {args.slowdowns} --repeats {args.repeats} --threads {args.threads}`"
+             f"--slowdowns {args.slowdowns} --floor-ms {args.floor_ms:g} --repeats {args.repeats} --threads {args.threads}`"
              f"{' --model ' + args.model if args.model else ''}: {model}; CPU {cpu_name()} ({platform.machine()}, "
              f"kernel tier {isa_tier()}), {time.strftime('%Y-%m-%d %H:%M')}. Decoders' time between tokens "
              f"while the {args.prompt}-token prompt is prefilled, as multiples of their decode-only step "

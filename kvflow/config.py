@@ -56,6 +56,9 @@ class SchedulerConfig:
     # decodes alone take (predicted from the steps seen; engine/step_budget.py), so a long prefill slows
     # other users' tokens by at most this factor. 0: the token budget alone bounds a step.
     max_decode_slowdown: float = 2.0
+    # ... but a step may always take this long: below it the bound cuts nothing (a short prompt then goes in
+    # one or a few chunks; thin chunks cost throughput, measured in benchmarks/RESULTS.md).
+    step_floor_ms: float = 50.0
     # Which waiting request is admitted next: "fcfs" (arrival order) or "lpm" (longest prefix match: the one
     # with the most prompt tokens in the prefix cache, among the first LPM_WINDOW waiting, unless the head
     # has been passed over LPM_MAX_PASSES times or was preempted; engine/scheduler.py).
@@ -89,6 +92,8 @@ def engine_config(**options) -> EngineConfig:
     slowdown = config.scheduler.max_decode_slowdown
     if not (slowdown == 0 or slowdown >= 1):
         raise ValueError(f"max_decode_slowdown must be 0 (off) or >= 1, not {slowdown}")
+    if config.scheduler.step_floor_ms < 0:
+        raise ValueError(f"step_floor_ms must be >= 0, not {config.scheduler.step_floor_ms}")
     if config.cache.block_size < 1:
         raise ValueError("block_size must be >= 1")
     if config.scheduler.scheduling_policy not in ("fcfs", "lpm"):

@@ -7,8 +7,9 @@ decodes take milliseconds. So the step's time is predicted from two models learn
 - the decode part, StepCosts fitted on decode-only steps (the same fit speculation prices drafts with);
 - a prompt chunk's cost, per row, per position its rows attend and per position before it (its K/V read),
   fitted on what every step with prompt rows took beyond its predicted decode part.
-A step with decoding sequences gives its prompt chunks at most (max_decode_slowdown - 1) times the predicted
-decode time, and at least one row, so a prefill always advances. Without decoding sequences, or before any
+A step with decoding sequences may take max_decode_slowdown times the predicted decode time, or the floor
+(`step_floor_ms`: thin chunks cost throughput, and a short prompt's one-off 50 ms is not felt) if that is
+more; its prompt chunks get what that leaves, and at least one row, so a prefill always advances. Without decoding sequences, or before any
 decode-only step has been seen, the token budget alone applies.
 """
 
@@ -166,10 +167,12 @@ class PromptChunkCosts:
 
 
 class StepBudget:
-    def __init__(self, max_decode_slowdown: float) -> None:
+    def __init__(self, max_decode_slowdown: float, floor_seconds: float = 0.0) -> None:
         """max_decode_slowdown: how many times a decode-only step's time a step carrying prompt rows may
-        take while sequences decode (0: no limit beyond the token budget)."""
+        take while sequences decode (0: no limit beyond the token budget); floor_seconds: what such a step
+        may take whatever the slowdown says."""
         self.max_decode_slowdown = max_decode_slowdown
+        self.floor_seconds = floor_seconds
         self.decode_costs = StepCosts()
         self.chunk_costs = PromptChunkCosts()
         self.limit_seconds = 0.0  # this step's predicted limit (0: none), for the step record
@@ -191,8 +194,8 @@ class StepBudget:
         if batch == 0:
             return
         decode = self.decode_costs.seconds(batch, context, drafts, draft_context)
-        self.limit_seconds = self.max_decode_slowdown * decode
-        self._left = (self.max_decode_slowdown - 1) * decode
+        self.limit_seconds = max(self.max_decode_slowdown * decode, self.floor_seconds)
+        self._left = self.limit_seconds - decode
 
     def prompt_rows(self, start: int, rows: int) -> int:
         """How many of `rows` prompt rows from position `start` fit what is left of this step's allowance
