@@ -81,6 +81,23 @@ def test_a_prompt_beside_decoders_gets_what_the_slowdown_allows():
     assert deeper.start > first and deeper.num_tokens < first
 
 
+def test_the_floor_lets_a_step_take_its_time_where_decodes_are_quick():
+    sched = make_scheduler(num_blocks=512, block_size=16, max_num_batched_tokens=2048)
+    sched.step_budget = budget_with_decodes(2.0)
+    sched.step_budget.floor_seconds = 0.050  # five times the decodes' 10 ms
+    for i in range(8):
+        sched.add_request(make_request(f"d{i}", 90, max_tokens=500, ignore_eos=True))
+    step(sched)
+    step(sched)
+    sched.add_request(make_request("long", 3000, max_tokens=1))
+    out = step(sched)
+    chunk = next(s for s in out.scheduled if s.request_id == "long")
+    assert sched.step_budget.limit_seconds == 0.050
+    decode = sched.step_budget.decode_costs.seconds(8, sum(r.num_tokens - 1 for r in sched.running[:8]))
+    allowed = 0.050 - decode
+    assert chunk_seconds(0, chunk.num_tokens) <= allowed * 1.05 and chunk_seconds(0, chunk.num_tokens + 1) >= allowed * 0.95
+
+
 def test_no_decoders_or_no_bound_leaves_the_token_budget_alone():
     for slowdown, decoders in ((2.0, 0), (0.0, 8)):
         sched = make_scheduler(num_blocks=512, block_size=16, max_num_batched_tokens=2048)
@@ -110,6 +127,8 @@ def test_the_bound_is_checked():
     with pytest.raises(ValueError, match="max_decode_slowdown"):
         engine_config(max_decode_slowdown=0.5)
     assert engine_config(max_decode_slowdown=0).scheduler.max_decode_slowdown == 0
+    with pytest.raises(ValueError, match="step_floor_ms"):
+        engine_config(step_floor_ms=-1)
 
 
 def test_exact_outputs_are_the_same_bounded_or_not_and_the_trace_shows_the_limit(tmp_path, tiny_packed):
@@ -121,7 +140,7 @@ def test_exact_outputs_are_the_same_bounded_or_not_and_the_trace_shows_the_limit
     outputs, traces = {}, {}
     for slowdown in (0.0, 1.0):  # 1.0: no time for prompt rows beside decodes, so one row a step
         trace = tmp_path / f"trace-{slowdown}.jsonl"
-        llm = make_llm(tiny_packed, max_decode_slowdown=slowdown, max_num_batched_tokens=256,
+        llm = make_llm(tiny_packed, max_decode_slowdown=slowdown, step_floor_ms=0, max_num_batched_tokens=256,
                        trace_file=str(trace), enable_prefix_caching=False)
         engine = llm.engine
         for _ in range(3):  # decode-only steps to learn from
