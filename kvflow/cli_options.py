@@ -41,11 +41,11 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=s.max_num_seqs)
     g.add_argument("--long-prefill-token-threshold", type=int, default=s.long_prefill_token_threshold)
     g.add_argument("--max-decode-slowdown", type=float, default=s.max_decode_slowdown, metavar="X",
-                   help="while others decode, a step with prompt chunks takes at most X times their decodes alone "
-                        "(learned from the steps run), so a long prompt slows their tokens at most X-fold; "
-                        "0: the token budget alone")
-    g.add_argument("--step-floor-ms", type=float, default=s.step_floor_ms, metavar="MS",
-                   help="...but such a step may always take MS milliseconds (0: the slowdown alone)")
+                   help="while others decode, prompts are prefilled so their tokens come on average at most X "
+                        "times slower (step costs learned as the engine runs); 0: the token budget alone")
+    g.add_argument("--max-step-ms", type=float, default=s.max_step_ms, metavar="MS",
+                   help="...and a step with prompt rows beside decoders takes at most MS milliseconds (or X times "
+                        "their decode step, if more)")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
     g.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
                    help="keep full KV blocks on disk too: a prefix evicted from memory, or cached before a restart, "
@@ -78,7 +78,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         long_prefill_token_threshold=args.long_prefill_token_threshold, max_decode_slowdown=args.max_decode_slowdown,
-        step_floor_ms=args.step_floor_ms,
+        max_step_ms=args.max_step_ms,
         enable_prefix_caching=not args.no_prefix_caching, enable_chunked_prefill=not args.no_chunked_prefill,
         prefix_cache_dir=args.prefix_cache_dir, prefix_cache_disk=args.prefix_cache_disk,
         scheduling_policy=args.scheduling_policy,

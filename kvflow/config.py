@@ -52,13 +52,13 @@ class SchedulerConfig:
     max_model_len: int = 8192  # filled from ModelConfig once the model is known
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # 0: no cap per request beyond the step budget
-    # While sequences decode, a step carrying prompt chunks may take at most this many times what their
-    # decodes alone take (predicted from the steps seen; engine/step_budget.py), so a long prefill slows
-    # other users' tokens by at most this factor. 0: the token budget alone bounds a step.
+    # While sequences decode, prompts are prefilled so that their tokens come on average at most this many
+    # times slower than with their decodes alone (step times predicted from the steps seen;
+    # engine/step_budget.py). 0: the token budget alone bounds a step.
     max_decode_slowdown: float = 2.0
-    # ... but a step may always take this long: below it the bound cuts nothing (a short prompt then goes in
-    # one or a few chunks; thin chunks cost throughput, measured in benchmarks/RESULTS.md).
-    step_floor_ms: float = 50.0
+    # ... and no step with prompt rows beside decoders takes longer than this (or max_decode_slowdown times
+    # their decode time, if more): the longest wait between two of their tokens.
+    max_step_ms: float = 200.0
     # Which waiting request is admitted next: "fcfs" (arrival order) or "lpm" (longest prefix match: the one
     # with the most prompt tokens in the prefix cache, among the first LPM_WINDOW waiting, unless the head
     # has been passed over LPM_MAX_PASSES times or was preempted; engine/scheduler.py).
@@ -90,10 +90,10 @@ def engine_config(**options) -> EngineConfig:
     if config.scheduler.max_num_batched_tokens < 1 or config.scheduler.max_num_seqs < 1:
         raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
     slowdown = config.scheduler.max_decode_slowdown
-    if not (slowdown == 0 or slowdown >= 1):
-        raise ValueError(f"max_decode_slowdown must be 0 (off) or >= 1, not {slowdown}")
-    if config.scheduler.step_floor_ms < 0:
-        raise ValueError(f"step_floor_ms must be >= 0, not {config.scheduler.step_floor_ms}")
+    if not (slowdown == 0 or slowdown > 1):
+        raise ValueError(f"max_decode_slowdown must be 0 (off) or more than 1, not {slowdown}")
+    if config.scheduler.max_step_ms <= 0:
+        raise ValueError(f"max_step_ms must be > 0, not {config.scheduler.max_step_ms}")
     if config.cache.block_size < 1:
         raise ValueError("block_size must be >= 1")
     if config.scheduler.scheduling_policy not in ("fcfs", "lpm"):

@@ -67,7 +67,7 @@ class Scheduler:
         self._pending_copies: list[tuple[int, int]] = []  # from forks, done before the next forward
         self.num_preemptions = 0  # since start, for metrics
         # Bounds the prompt rows of a step in which others decode; the engine feeds it each step's time.
-        self.step_budget = StepBudget(scheduler_config.max_decode_slowdown, scheduler_config.step_floor_ms / 1000)
+        self.step_budget = StepBudget(scheduler_config.max_decode_slowdown, scheduler_config.max_step_ms / 1000)
 
     # ---- queues -------------------------------------------------------------------------------------
     @property

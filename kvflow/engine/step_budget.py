@@ -1,21 +1,27 @@
-"""How much prompt a step may carry while other requests decode, so that a long prefill never makes their
-tokens wait more than `max_decode_slowdown` times what a step of their decodes alone takes.
+"""How much prompt a step may carry while other requests decode: their tokens come on average at most
+`max_decode_slowdown` times slower than with their decodes alone, and no step waits longer than `max_step_ms`.
 
-A token budget alone cannot bound that: a prompt row's cost grows with its depth (at 32K tokens of context
-its attention costs several times its matmuls), and on a CPU 2,048 prompt rows take seconds while eight
-decodes take milliseconds. So the step's time is predicted from two models learned from the steps run:
-- the decode part, StepCosts fitted on decode-only steps (the same fit speculation prices drafts with);
-- a prompt chunk's cost, per row, per position its rows attend and per position before it (its K/V read),
-  fitted on what every step with prompt rows took beyond its predicted decode part.
-A step with decoding sequences may take max_decode_slowdown times the predicted decode time, or the floor
-(`step_floor_ms`: thin chunks cost throughput, and a short prompt's one-off 50 ms is not felt) if that is
-more; its prompt chunks get what that leaves, and at least one row, so a prefill always advances. Without decoding sequences, or before any
-decode-only step has been seen, the token budget alone applies.
+A token budget alone bounds neither: a prompt row's cost grows with its depth (at 32K tokens of context its
+attention costs several times its matmuls), and on a CPU 2,048 prompt rows take seconds where eight decodes
+take milliseconds. So step times are predicted from what the engine has run:
+- the decode part: the median of the last decode-only steps at this batch size, scaled to the current
+  contexts by StepCosts, the fit speculation prices its drafts with;
+- a prompt chunk: per row, per position its rows attend, and per position before it (its sequence's K/V,
+  read once per chunk), fitted on what each step with prompt rows took beyond its decode part.
+The prompt's share is a token bucket of time. Each step with decoders adds (max_decode_slowdown - 1) times
+its decode time, up to one step's room (max_step_ms, or max_decode_slowdown times the decode time if more,
+less the decode time). A chunk is taken only as a whole step's room (or the prompt's whole rest) once the
+bucket holds it. So a long prompt runs in full chunks between runs of plain decode steps, rather than in thin
+chunks that would re-read its K/V every step. A short prompt after a quiet spell finds the bucket full and
+goes at once. Without decoders, or before any decode-only step has been seen, the token budget alone applies
+and the bucket refills.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from collections.abc import Iterable
 
 import numpy as np
@@ -104,6 +110,9 @@ def nonnegative_fit(xx: np.ndarray, xt: np.ndarray, prior: np.ndarray, scale: fl
         active.remove(int(np.argmin(theta)))
 
 
+RECENT_STEPS = 15  # decode-only steps per batch size whose median is the decode time
+
+
 def attended_positions(start: int, rows: int) -> int:
     """Positions attended, summed over prompt rows start .. start + rows - 1 (each attends up to itself)."""
     return rows * start + rows * (rows + 1) // 2
@@ -167,22 +176,28 @@ class PromptChunkCosts:
 
 
 class StepBudget:
-    def __init__(self, max_decode_slowdown: float, floor_seconds: float = 0.0) -> None:
-        """max_decode_slowdown: how many times a decode-only step's time a step carrying prompt rows may
-        take while sequences decode (0: no limit beyond the token budget); floor_seconds: what such a step
-        may take whatever the slowdown says."""
+    def __init__(self, max_decode_slowdown: float, max_step_seconds: float = 0.0) -> None:
+        """max_decode_slowdown: how many times slower the decoders' tokens may come on average while prompts
+        are prefilled (0: no bound beyond the token budget); max_step_seconds: the longest a step with prompt
+        rows beside decoders may take (at least max_decode_slowdown times their decode time)."""
         self.max_decode_slowdown = max_decode_slowdown
-        self.floor_seconds = floor_seconds
+        self.max_step_seconds = max_step_seconds
         self.decode_costs = StepCosts()
         self.chunk_costs = PromptChunkCosts()
         self.limit_seconds = 0.0  # this step's predicted limit (0: none), for the step record
-        self._left = math.inf
+        # The last decode-only steps per batch size, (seconds, context): their median is what such a step
+        # takes now. The least-squares fit is a mean, and a fresh batch's first steps (its K/V pages touched
+        # for the first time) run at 2 to 4 times the later ones, which would loosen the bound for long.
+        self._recent: dict[int, deque[tuple[float, int]]] = {}
+        self.bucket = math.inf  # prompt time saved up (seconds), at most one step's room
+        self._room = math.inf  # this step's room for prompt rows (inf: no bound this step)
 
     # ---- before a step: the scheduler -----------------------------------------------------------------
     def start_step(self, running: Iterable[Request]) -> None:
-        """Set this step's allowance for prompt rows from the sequences about to decode in it."""
-        self.limit_seconds, self._left = 0.0, math.inf
+        """Refill the bucket and set this step's room from the sequences about to decode in it."""
+        self.limit_seconds, self._room = 0.0, math.inf
         if self.max_decode_slowdown <= 0 or self.decode_costs.steps == 0:
+            self.bucket = math.inf
             return
         batch = context = drafts = draft_context = 0
         for r in running:
@@ -192,22 +207,40 @@ class StepBudget:
                 drafts += len(r.draft_token_ids)
                 draft_context += len(r.draft_token_ids) * r.num_tokens
         if batch == 0:
+            self.bucket = math.inf
             return
-        decode = self.decode_costs.seconds(batch, context, drafts, draft_context)
-        self.limit_seconds = max(self.max_decode_slowdown * decode, self.floor_seconds)
-        self._left = self.limit_seconds - decode
+        decode = self.decode_seconds(batch, context, drafts, draft_context)
+        self.limit_seconds = max(self.max_step_seconds, self.max_decode_slowdown * decode)
+        self._room = self.limit_seconds - decode
+        self.bucket = min(self.bucket + (self.max_decode_slowdown - 1) * decode, self._room)
+
+    def decode_seconds(self, batch: int, context: int, drafts: int = 0, draft_context: int = 0) -> float:
+        """A decode-only step of `batch` sequences over `context` tokens: the median of the last such steps
+        at this batch size, scaled by the fit from their context to this one (plus the drafts' rows)."""
+        fitted = self.decode_costs.seconds(batch, context, drafts, draft_context)
+        recent = self._recent.get(batch)
+        if not recent:
+            return fitted
+        plain_now = self.decode_costs.seconds(batch, context)
+        plain_then = self.decode_costs.seconds(batch, int(statistics.median(c for _, c in recent)))
+        scale = plain_now / plain_then if plain_then > 0 else 1.0
+        return statistics.median(t for t, _ in recent) * scale + fitted - plain_now
 
     def prompt_rows(self, start: int, rows: int) -> int:
-        """How many of `rows` prompt rows from position `start` fit what is left of this step's allowance
-        (at least one)."""
-        if not math.isfinite(self._left) or rows <= 1:
+        """How many of `rows` prompt rows from position `start` to run this step: as many as a step's room
+        takes, once the bucket holds their cost; 0 until then."""
+        if not math.isfinite(self._room) or rows <= 1:
             return rows
-        return min(rows, self.chunk_costs.rows_within(max(self._left, 0.0), start))
+        rows = min(rows, self.chunk_costs.rows_within(self._room, start))
+        # A row that alone outgrows the room (deep in a long prompt) goes once the bucket is full.
+        return rows if self.chunk_costs.seconds(start, rows) <= self.bucket or self.bucket >= self._room else 0
 
     def charge(self, start: int, rows: int) -> None:
-        """Prompt rows start .. start + rows - 1 were scheduled: their predicted cost leaves the allowance."""
-        if math.isfinite(self._left):
-            self._left -= self.chunk_costs.seconds(start, rows)
+        """Prompt rows start .. start + rows - 1 were scheduled: their predicted cost leaves the bucket."""
+        if math.isfinite(self._room):
+            cost = self.chunk_costs.seconds(start, rows)
+            self.bucket -= cost
+            self._room -= cost
 
     # ---- after a step: the engine ---------------------------------------------------------------------
     def observe(self, sched: SchedulerOutput, seconds: float) -> None:
@@ -229,7 +262,9 @@ class StepBudget:
             return
         if rows == 0:
             self.decode_costs.observe(batch, drafts, seconds, context, draft_context)
+            if drafts == 0:
+                self._recent.setdefault(batch, deque(maxlen=RECENT_STEPS)).append((seconds, context))
             return
         # Before any decode-only step the whole step is put on the rows: an overestimate, on the safe side.
-        decode = self.decode_costs.seconds(batch, context, drafts, draft_context) if self.decode_costs.steps else 0.0
+        decode = self.decode_seconds(batch, context, drafts, draft_context) if self.decode_costs.steps else 0.0
         self.chunk_costs.observe(rows, attended, depth, seconds - decode)

@@ -1,5 +1,6 @@
-"""The decode-slowdown bound: a prompt chunk beside decoding sequences is cut to what the learned step costs
-allow, never below one row, and nothing is cut without decoders; exact-mode outputs do not change."""
+"""The decode-slowdown bound: a prompt beside decoding sequences goes in chunks of a step's room, as the
+time saved up for it allows (learned step costs), never below one row; nothing is cut without decoders;
+exact-mode outputs do not change."""
 
 from __future__ import annotations
 
@@ -81,21 +82,34 @@ def test_a_prompt_beside_decoders_gets_what_the_slowdown_allows():
     assert deeper.start > first and deeper.num_tokens < first
 
 
-def test_the_floor_lets_a_step_take_its_time_where_decodes_are_quick():
-    sched = make_scheduler(num_blocks=512, block_size=16, max_num_batched_tokens=2048)
+def test_a_long_prompt_goes_in_whole_steps_between_plain_decode_steps():
+    """With room for 40 ms of prompt a step and 10 ms decodes, the bucket fills in four steps: a chunk of
+    40 ms, then plain decode steps until the next, so the decoders' pace averages twice their own."""
+    sched = make_scheduler(num_blocks=1024, block_size=16, max_num_batched_tokens=2048)
     sched.step_budget = budget_with_decodes(2.0)
-    sched.step_budget.floor_seconds = 0.050  # five times the decodes' 10 ms
+    sched.step_budget.max_step_seconds = 0.050
     for i in range(8):
         sched.add_request(make_request(f"d{i}", 90, max_tokens=500, ignore_eos=True))
     step(sched)
     step(sched)
-    sched.add_request(make_request("long", 3000, max_tokens=1))
-    out = step(sched)
-    chunk = next(s for s in out.scheduled if s.request_id == "long")
-    assert sched.step_budget.limit_seconds == 0.050
-    decode = sched.step_budget.decode_costs.seconds(8, sum(r.num_tokens - 1 for r in sched.running[:8]))
-    allowed = 0.050 - decode
-    assert chunk_seconds(0, chunk.num_tokens) <= allowed * 1.05 and chunk_seconds(0, chunk.num_tokens + 1) >= allowed * 0.95
+    sched.add_request(make_request("long", 6000, max_tokens=1))
+    chunks = []
+    for _ in range(40):
+        out = step(sched)
+        assert sum(s.num_tokens == 1 for s in out.scheduled) >= 8  # the decoders go every step
+        chunk = next((s for s in out.scheduled if s.request_id == "long"), None)
+        chunks.append(None if chunk is None else (chunk.start, chunk.num_tokens))
+        assert sched.step_budget.limit_seconds == 0.050
+    taken = [c for c in chunks if c is not None]
+    assert chunks[0] is not None  # the bucket starts full: a prompt after a quiet spell goes at once
+    decode = sched.step_budget.decode_costs.seconds(8, 8 * 100)
+    for start, rows in taken:  # each chunk a whole step's room
+        assert chunk_seconds(start, rows) <= (0.050 - decode) * 1.1, (start, rows)
+        assert chunk_seconds(start, rows + 1) >= (0.050 - decode) * 0.9, (start, rows)
+    # Room 40 ms, refilled 10 ms a step: about one step in four carries the prompt.
+    assert 8 <= len(taken) <= 13, chunks
+    spent = sum(chunk_seconds(start, rows) for start, rows in taken)
+    assert spent <= 40 * decode * 1.15 + (0.050 - decode)
 
 
 def test_no_decoders_or_no_bound_leaves_the_token_budget_alone():
@@ -127,8 +141,10 @@ def test_the_bound_is_checked():
     with pytest.raises(ValueError, match="max_decode_slowdown"):
         engine_config(max_decode_slowdown=0.5)
     assert engine_config(max_decode_slowdown=0).scheduler.max_decode_slowdown == 0
-    with pytest.raises(ValueError, match="step_floor_ms"):
-        engine_config(step_floor_ms=-1)
+    with pytest.raises(ValueError, match="max_decode_slowdown"):
+        engine_config(max_decode_slowdown=1.0)  # nothing would ever be saved up for the prompts
+    with pytest.raises(ValueError, match="max_step_ms"):
+        engine_config(max_step_ms=0)
 
 
 def test_exact_outputs_are_the_same_bounded_or_not_and_the_trace_shows_the_limit(tmp_path, tiny_packed):
@@ -138,9 +154,10 @@ def test_exact_outputs_are_the_same_bounded_or_not_and_the_trace_shows_the_limit
     long_prompt = [5 + (i * 7) % 200 for i in range(400)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outputs, traces = {}, {}
-    for slowdown in (0.0, 1.0):  # 1.0: no time for prompt rows beside decodes, so one row a step
+    bounded = 1.0001  # all but no time for prompt rows beside decodes: one row a step
+    for slowdown in (0.0, bounded):
         trace = tmp_path / f"trace-{slowdown}.jsonl"
-        llm = make_llm(tiny_packed, max_decode_slowdown=slowdown, step_floor_ms=0, max_num_batched_tokens=256,
+        llm = make_llm(tiny_packed, max_decode_slowdown=slowdown, max_step_ms=1e-6, max_num_batched_tokens=256,
                        trace_file=str(trace), enable_prefix_caching=False)
         engine = llm.engine
         for _ in range(3):  # decode-only steps to learn from
@@ -159,10 +176,10 @@ def test_exact_outputs_are_the_same_bounded_or_not_and_the_trace_shows_the_limit
         assert all(engine.scheduler.get_request(i) is None for i in ids)
         outputs[slowdown] = done
         traces[slowdown] = [json.loads(line) for line in trace.read_text().splitlines()]
-    assert outputs[1.0] == outputs[0.0] and set(outputs[0.0]) == {"d0", "d1", "d2", "d3", "long"}
-    bounded = [r for r in traces[1.0] if r["limit_seconds"] > 0 and r["prefill_tokens"] > 0]
-    assert bounded, "no step carried the long prompt beside the decoders under a limit"
-    assert max(r["prefill_tokens"] for r in bounded) < 256 - 4
+    assert outputs[bounded] == outputs[0.0] and set(outputs[0.0]) == {"d0", "d1", "d2", "d3", "long"}
+    limited = [r for r in traces[bounded] if r["limit_seconds"] > 0 and r["prefill_tokens"] > 0]
+    assert limited, "no step carried the long prompt beside the decoders under a limit"
+    assert max(r["prefill_tokens"] for r in limited) < 256 - 4
     assert all(r["limit_seconds"] == 0 for r in traces[0.0])
     unbounded = [r["prefill_tokens"] for r in traces[0.0] if r["prefill_tokens"] > 0]
     assert max(unbounded) >= 256 - 4  # without the bound the long prompt fills the token budget
