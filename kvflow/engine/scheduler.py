@@ -4,7 +4,9 @@ A request needs `num_tokens - num_computed_tokens` tokens computed. Each step, r
 served first (a decode costs one token, a prompt still being prefilled gets a chunk), then waiting
 requests fill what is left of the budget: in arrival order ("fcfs"), or by default the one whose prompt
 the prefix cache holds most of first ("lpm": an agent's next turn does not queue behind a cold prompt),
-never passing over a request more than LPM_MAX_PASSES times. Prefix-cache hits count as computed for
+never passing over a request more than LPM_MAX_PASSES times. While requests decode, prompt chunks also
+wait for the time the step budget saves up for them (engine/step_budget.py), so a long prompt slows the
+decoders' tokens by a bounded factor instead of freezing them for seconds. Prefix-cache hits count as computed for
 free, and the blocks a waiting request will hit are the last the pool gives away meanwhile. When the pool runs out of blocks for a running request, the most recently arrived running
 request is preempted: it drops its blocks and its progress and waits, first in line, to be recomputed.
 
