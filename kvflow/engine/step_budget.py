@@ -11,7 +11,7 @@ take milliseconds. So step times are predicted from what the engine has run:
 The prompt's share is a token bucket of time. Each step with decoders adds (max_decode_slowdown - 1) times
 its decode time, up to one step's room (max_step_ms, or max_decode_slowdown times the decode time if more,
 less the decode time). A chunk is taken only as a whole step's room (or the prompt's whole rest) once the
-bucket holds it. So a long prompt runs in full chunks between runs of plain decode steps, rather than in thin
+bucket holds it, and what it then took beyond its prediction is paid back from the bucket. So a long prompt runs in full chunks between runs of plain decode steps, rather than in thin
 chunks that would re-read its K/V every step. A short prompt after a quiet spell finds the bucket full and
 goes at once. Without decoders, or before any decode-only step has been seen, the token budget alone applies
 and the bucket refills.
@@ -191,11 +191,12 @@ class StepBudget:
         self._recent: dict[int, deque[tuple[float, int]]] = {}
         self.bucket = math.inf  # prompt time saved up (seconds), at most one step's room
         self._room = math.inf  # this step's room for prompt rows (inf: no bound this step)
+        self._charged = 0.0  # this step's prompt rows, as predicted when they were scheduled
 
     # ---- before a step: the scheduler -----------------------------------------------------------------
     def start_step(self, running: Iterable[Request]) -> None:
         """Refill the bucket and set this step's room from the sequences about to decode in it."""
-        self.limit_seconds, self._room = 0.0, math.inf
+        self.limit_seconds, self._room, self._charged = 0.0, math.inf, 0.0
         if self.max_decode_slowdown <= 0 or self.decode_costs.steps == 0:
             self.bucket = math.inf
             return
@@ -241,6 +242,7 @@ class StepBudget:
             cost = self.chunk_costs.seconds(start, rows)
             self.bucket -= cost
             self._room -= cost
+            self._charged += cost
 
     # ---- after a step: the engine ---------------------------------------------------------------------
     def observe(self, sched: SchedulerOutput, seconds: float) -> None:
@@ -268,3 +270,8 @@ class StepBudget:
         # Before any decode-only step the whole step is put on the rows: an overestimate, on the safe side.
         decode = self.decode_seconds(batch, context, drafts, draft_context) if self.decode_costs.steps else 0.0
         self.chunk_costs.observe(rows, attended, depth, seconds - decode)
+        if self._charged and math.isfinite(self.bucket):
+            # What the prompt rows took beyond their prediction comes out of the bucket too (or goes back
+            # into it), so the fit's errors do not add up over a long prompt's thousands of steps.
+            self.bucket -= (seconds - decode) - self._charged
+            self._charged = 0.0

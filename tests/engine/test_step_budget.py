@@ -183,3 +183,24 @@ def test_exact_outputs_are_the_same_bounded_or_not_and_the_trace_shows_the_limit
     assert all(r["limit_seconds"] == 0 for r in traces[0.0])
     unbounded = [r["prefill_tokens"] for r in traces[0.0] if r["prefill_tokens"] > 0]
     assert max(unbounded) >= 256 - 4  # without the bound the long prompt fills the token budget
+
+
+def test_what_a_chunk_overran_by_comes_out_of_the_bucket():
+    """A chunk predicted at 40 ms that took 60 ms leaves the bucket 20 ms short, so the next chunk waits
+    two more steps: the decoders' average pace holds even where the fit is wrong."""
+    sched = make_scheduler(num_blocks=1024, block_size=16, max_num_batched_tokens=2048)
+    budget = sched.step_budget = budget_with_decodes(2.0)
+    budget.max_step_seconds = 0.050
+    for i in range(8):
+        sched.add_request(make_request(f"d{i}", 90, max_tokens=500, ignore_eos=True))
+    step(sched)
+    step(sched)
+    sched.add_request(make_request("long", 6000, max_tokens=1))
+    out = sched.schedule()
+    chunk = next(s for s in out.scheduled if s.request_id == "long")
+    predicted = budget.chunk_costs.seconds(chunk.start, chunk.num_tokens)
+    decode = budget.decode_seconds(8, sum(s.start + s.num_tokens for s in out.scheduled if s.num_tokens == 1))
+    left = budget.bucket
+    budget.observe(out, decode + predicted + 0.020)
+    assert budget.bucket == pytest.approx(left - 0.020, abs=1e-3)
+    sched.update_from_output(out, {s.request_id: [7] for s in out.scheduled if s.sample})
