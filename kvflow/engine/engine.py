@@ -29,6 +29,7 @@ from kvflow.engine.runner import ModelRunner
 from kvflow.engine.scheduler import Scheduler
 from kvflow.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from kvflow.engine.speculation import Speculator, kept_tokens
+from kvflow.engine.step_budget import is_decode
 from kvflow.engine.step_history import StepHistory, StepRecord
 from kvflow.executors.model_setup import LoadedModel, ModelSummary, load_model, set_threads
 from kvflow.layers.sampler import Sampler, SamplingRow, position_generator
@@ -541,7 +542,7 @@ class LLMEngine:
         """The step's summary into the history the server's page draws (and the --trace file)."""
         decode = 0
         for s in sched.scheduled:
-            if s.num_tokens - len(s.draft_token_ids) == 1 and s.start >= s.request.num_prompt_tokens:
+            if is_decode(s):
                 decode += s.num_tokens
         record = StepRecord(step=self.num_steps, t=time.time(), seconds=seconds,
                             prefill_tokens=sched.total_num_scheduled_tokens - decode, decode_tokens=decode,

@@ -27,10 +27,30 @@ from collections.abc import Iterable
 import numpy as np
 
 from kvflow.engine.request import Request
-from kvflow.engine.scheduler_output import SchedulerOutput
+from kvflow.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 
 
-class StepCosts:
+class DecayedFit:
+    """Normal equations of a least-squares fit whose older observations weigh DECAY less per new one; a
+    subclass sets DECAY and TERMS, and turns them into its terms (its prior and its floor)."""
+
+    DECAY: float
+    TERMS: int
+
+    def __init__(self) -> None:
+        self._xx = np.zeros((self.TERMS, self.TERMS))
+        self._xt = np.zeros(self.TERMS)
+        self._theta: np.ndarray | None = None
+        self.steps = 0
+
+    def _add(self, x: np.ndarray, seconds: float) -> None:
+        self._xx = self.DECAY * self._xx + np.outer(x, x)
+        self._xt = self.DECAY * self._xt + x * seconds
+        self.steps += 1
+        self._theta = None
+
+
+class StepCosts(DecayedFit):
     """A decode step's time, learned as fixed + per_sequence * sequences + per_context * context + per_row *
     draft_rows + per_row_context * draft_row_context: a least-squares fit over the decode-only steps seen,
     older ones weighing less. `context` is the tokens the step's sequences attend over (their KV reads),
@@ -44,19 +64,13 @@ class StepCosts:
     TERMS = 5
 
     def __init__(self, prior_row_fraction: float = 0.15) -> None:
+        super().__init__()
         self.prior_row_fraction = prior_row_fraction
-        self._xx = np.zeros((self.TERMS, self.TERMS))
-        self._xt = np.zeros(self.TERMS)
-        self._theta: np.ndarray | None = None
-        self.steps = 0
 
     def observe(self, batch: int, draft_rows: int, seconds: float, context: int = 0,
                 draft_row_context: int = 0) -> None:
-        x = np.array([1.0, float(batch), context / 1000, float(draft_rows), draft_row_context / 1000])
-        self._xx = self.DECAY * self._xx + np.outer(x, x)
-        self._xt = self.DECAY * self._xt + x * seconds
-        self.steps += 1
-        self._theta = None
+        self._add(np.array([1.0, float(batch), context / 1000, float(draft_rows), draft_row_context / 1000]),
+                  seconds)
 
     def _fit(self) -> np.ndarray | None:
         if self.steps == 0:
@@ -110,6 +124,11 @@ def nonnegative_fit(xx: np.ndarray, xt: np.ndarray, prior: np.ndarray, scale: fl
         active.remove(int(np.argmin(theta)))
 
 
+def is_decode(s: ScheduledSequence) -> bool:
+    """One known token past the prompt (and its drafts, if any): a decode, not a prompt chunk."""
+    return s.num_tokens - len(s.draft_token_ids) == 1 and s.start >= s.request.num_prompt_tokens
+
+
 RECENT_STEPS = 15  # decode-only steps per batch size whose median is the decode time
 
 
@@ -118,7 +137,7 @@ def attended_positions(start: int, rows: int) -> int:
     return rows * start + rows * (rows + 1) // 2
 
 
-class PromptChunkCosts:
+class PromptChunkCosts(DecayedFit):
     """A prompt chunk's seconds as per_row * rows + per_attended * positions its rows attend + per_depth *
     positions before it (its sequence's K/V, read once per chunk: why many thin chunks of a deep prompt cost
     more than a few thick ones), positions in thousands; fitted by decayed non-negative least squares on
@@ -127,20 +146,10 @@ class PromptChunkCosts:
     DECAY = 0.95  # per observed step: a prefill's rows grow dearer as it goes deeper, the fit follows
     TERMS = 3
 
-    def __init__(self) -> None:
-        self._xx = np.zeros((self.TERMS, self.TERMS))
-        self._xt = np.zeros(self.TERMS)
-        self._theta: np.ndarray | None = None
-        self.steps = 0
-
     def observe(self, rows: int, attended: int, depth: int, seconds: float) -> None:
         """A step's prompt chunks: `rows` in all, `attended` positions summed over their rows, `depth`
         positions before each chunk summed over the chunks; `seconds` what they took."""
-        x = np.array([float(rows), attended / 1000, depth / 1000])
-        self._xx = self.DECAY * self._xx + np.outer(x, x)
-        self._xt = self.DECAY * self._xt + x * max(seconds, 0.0)
-        self.steps += 1
-        self._theta = None
+        self._add(np.array([float(rows), attended / 1000, depth / 1000]), max(seconds, 0.0))
 
     def _fit(self) -> np.ndarray:
         if self._theta is None:
@@ -247,10 +256,12 @@ class StepBudget:
     # ---- after a step: the engine ---------------------------------------------------------------------
     def observe(self, sched: SchedulerOutput, seconds: float) -> None:
         """Learn from a step's time: decode-only steps teach the decode part, the rest the prompt rows'."""
+        if not sched.scheduled:
+            return
         batch = context = drafts = draft_context = rows = attended = depth = 0
         for s in sched.scheduled:
             n = len(s.draft_token_ids)
-            if s.num_tokens == 1 + n and s.start >= s.request.num_prompt_tokens:  # a decode (and its drafts)
+            if is_decode(s):
                 length = s.start + s.num_tokens
                 batch += 1
                 context += length
@@ -260,8 +271,6 @@ class StepBudget:
                 rows += s.num_tokens
                 attended += attended_positions(s.start, s.num_tokens)
                 depth += s.start
-        if not sched.scheduled:
-            return
         if rows == 0:
             self.decode_costs.observe(batch, drafts, seconds, context, draft_context)
             if drafts == 0:
