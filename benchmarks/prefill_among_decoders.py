@@ -53,6 +53,7 @@ def one_run(llm: LLM, slowdown: float, prompt_len: int, decoders: int, rng: rand
     first = engine.num_steps
     for _ in range(BASELINE_STEPS):
         engine.step()
+    preempted = engine.scheduler.num_preemptions
     t0 = time.perf_counter()
     long_id = engine.add_request(None, [rng.randrange(100, vocab) for _ in range(prompt_len)],
                                  SamplingParams(max_tokens=1, temperature=0))
@@ -61,6 +62,7 @@ def one_run(llm: LLM, slowdown: float, prompt_len: int, decoders: int, rng: rand
         engine.step()
     ttft = time.perf_counter() - t0
     finished = engine.num_steps
+    preempted = engine.scheduler.num_preemptions - preempted
     for _ in range(BASELINE_STEPS):  # their pace again, at the contexts they have reached
         engine.step()
     records = engine.step_history.since(first)
@@ -80,7 +82,11 @@ def one_run(llm: LLM, slowdown: float, prompt_len: int, decoders: int, rng: rand
         "slowdown": slowdown, "base_ms": base_p50 * 1e3, "steps": len(during),
         "p50": statistics.median(seconds) / base_p50, "p99": percentile(seconds, 0.99) / base_p50,
         "mean": statistics.fmean(seconds) / base_p50, "max_ms": max(seconds) * 1e3, "ttft": ttft,
+        "preemptions": preempted,
         "over": sum(r.seconds > OVER * r.limit_seconds for r in limited), "limited": len(limited),
+        # The longest steps as (ms, limit ms, prompt rows, decode rows): what an overrun carried.
+        "longest": [(round(r.seconds * 1e3), round(r.limit_seconds * 1e3), r.prefill_tokens, r.decode_tokens)
+                    for r in sorted(during, key=lambda r: r.seconds)[-3:]],
     }
 
 

@@ -145,11 +145,24 @@ class PromptChunkCosts(DecayedFit):
 
     DECAY = 0.95  # per observed step: a prefill's rows grow dearer as it goes deeper, the fit follows
     TERMS = 3
+    # A chunk is at most GROWTH times the most rows of the last RECENT steps' prompt parts. Chunks of one
+    # size at slowly growing depth leave the fit unable to tell a row's cost from a chunk's: noise can then
+    # put all of it on the depth term, and a fit that says rows cost nothing would grant the whole token
+    # budget (2,048 rows at depth 25K: a 47 s step among decoders planned at 200 ms). Growing by at most
+    # GROWTH a step, a wrong fit costs at most GROWTH times a planned step, and the bigger chunk it ran
+    # teaches the fit what rows cost.
+    GROWTH = 2
+    RECENT = 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._recent_rows: deque[int] = deque(maxlen=self.RECENT)
 
     def observe(self, rows: int, attended: int, depth: int, seconds: float) -> None:
         """A step's prompt chunks: `rows` in all, `attended` positions summed over their rows, `depth`
         positions before each chunk summed over the chunks; `seconds` what they took."""
         self._add(np.array([float(rows), attended / 1000, depth / 1000]), max(seconds, 0.0))
+        self._recent_rows.append(rows)
 
     def _fit(self) -> np.ndarray:
         if self._theta is None:
@@ -181,7 +194,8 @@ class PromptChunkCosts(DecayedFit):
             n = seconds / b if b > 0 else math.inf
         else:
             n = (-b + math.sqrt(b * b + 4 * a * seconds)) / (2 * a)
-        return max(1, int(n)) if math.isfinite(n) else 1 << 30
+        n = min(n, self.GROWTH * max(self._recent_rows))
+        return max(1, int(n))
 
 
 class StepBudget:

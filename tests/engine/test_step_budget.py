@@ -49,6 +49,21 @@ def test_rows_within_is_the_most_that_fit():
     assert costs.rows_within(1e-6, 5000) == 1  # not even the K/V read fits: one row still goes
 
 
+def test_a_fit_that_says_rows_cost_nothing_grows_a_chunk_at_most_twofold():
+    """A step's prompt part is its time less the predicted decode part: where that prediction runs high,
+    thin chunks at depth seem to cost nothing, and the fit would grant any number of rows (the cause of a
+    47 s step among decoders at depth 25K, planned at 200 ms). A chunk still grows at most GROWTH times
+    the last ones."""
+    costs = PromptChunkCosts()
+    for start in range(20000, 20400, 8):
+        costs.observe(8, attended_positions(start, 8), start, 0.0)
+    assert costs.seconds(24000, 2000) < 1e-3  # the fit's view: rows are free
+    assert costs.rows_within(0.2, 20400) == PromptChunkCosts.GROWTH * 8
+    # After a chunk of 16 rows, the next may be 32.
+    costs.observe(16, attended_positions(20400, 16), 20400, 0.0)
+    assert costs.rows_within(10.0, 20416) == PromptChunkCosts.GROWTH * 16
+
+
 def budget_with_decodes(slowdown: float, decode_seconds: float = 0.010) -> StepBudget:
     """A budget that has seen decode-only steps of 8 sequences taking decode_seconds, and prompt chunks."""
     budget = StepBudget(slowdown)
