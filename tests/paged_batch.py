@@ -38,6 +38,13 @@ class PagedBatch:
         )
 
 
+def at_slots(cache: torch.Tensor, slots) -> tuple:
+    """An index of cache [blocks, block_size, ...] for token slots (an int or a tensor), for reading or
+    writing their rows in either layout (a flat view works only for token-major caches)."""
+    block_size = cache.shape[1]
+    return slots // block_size, slots % block_size
+
+
 def make_paged_batch(
     seq_lens: list[int],
     query_lens: list[int],
@@ -50,9 +57,13 @@ def make_paged_batch(
     spare_blocks: int = 3,
     seed: int = 0,
     cache_dtype: torch.dtype | None = None,
+    layout: str | None = None,
 ) -> PagedBatch:
     """Each sequence gets shuffled (non-contiguous) blocks; its first seq_len - query_len tokens are
-    already cached with random K/V, the last query_len are this step's q/k/v."""
+    already cached with random K/V, the last query_len are this step's q/k/v. layout: "head" (each block
+    stored [kv_heads, block_size, row], the caches a transposed view of it) or "token" (contiguous); by
+    default as engine/kv_cache_alloc lays out caches on this device."""
+    layout = layout or ("head" if device.type == "cpu" else "token")
     g = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + spare_blocks
@@ -75,10 +86,13 @@ def make_paged_batch(
     def rand(*s):
         return torch.randn(*s, generator=g).to(dtype)
 
+    def laid_out(c: torch.Tensor) -> torch.Tensor:  # the same values, stored in `layout`
+        return c.transpose(1, 2).contiguous().transpose(1, 2) if layout == "head" else c
+
     def cache():
         if cache_dtype == torch.int8:  # written as the kernels write it: values and their scales
-            return kv_int8.quantize(rand(*shape)).to(device)
-        return rand(*shape).to(cache_dtype or dtype).to(device)
+            return laid_out(kv_int8.quantize(rand(*shape)).to(device))
+        return laid_out(rand(*shape).to(cache_dtype or dtype).to(device))
 
     return PagedBatch(
         q=rand(total, num_kv_heads * group, head_dim).to(device),

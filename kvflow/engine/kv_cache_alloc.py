@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 
@@ -64,13 +63,20 @@ def group_num_blocks(memory: int, arch: ArchConfig, block_size: int, dtype: torc
 def allocate_kv_cache(
     arch: ArchConfig, num_blocks: int | list[int], block_size: int, dtype: torch.dtype, device: torch.device
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each layer's K and V, with its KV group's number of blocks (one int: every layer's)."""
+    """Each layer's K and V, with its KV group's number of blocks (one int: every layer's), each seen as
+    [blocks, block_size, kv_heads, row]. On the CPU a block is stored head-major, [kv_heads, block_size,
+    row], and the tensor returned is a transposed view of it: a decode step reads each KV head's rows of a
+    block as one contiguous run, which the hardware prefetcher follows (token-major, they lie a token's
+    width apart). CUDA caches stay token-major: the layout the Triton kernels were tuned and checked on."""
     sizes = [num_blocks] * len(arch.kv_group_windows) if isinstance(num_blocks, int) else num_blocks
-    zeros = _untouched_zeros if device.type == "cpu" else functools.partial(torch.zeros, device=device)
     caches = []
     for i in range(arch.num_layers):
-        shape = (sizes[arch.layer_kv_group(i)], block_size, arch.num_kv_heads, row_width(arch, dtype))
-        caches.append((zeros(shape, dtype=dtype), zeros(shape, dtype=dtype)))
+        blocks, heads, row = sizes[arch.layer_kv_group(i)], arch.num_kv_heads, row_width(arch, dtype)
+        if device.type == "cpu":
+            pair = tuple(_untouched_zeros((blocks, heads, block_size, row), dtype).transpose(1, 2) for _ in range(2))
+        else:
+            pair = tuple(torch.zeros((blocks, block_size, heads, row), dtype=dtype, device=device) for _ in range(2))
+        caches.append(pair)
     return caches
 
 

@@ -35,23 +35,34 @@ def step_struct(slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_l
                           num_tokens=slot_mapping.shape[0])
 
 
+def cache_layout(cache: torch.Tensor) -> str | None:
+    """How a cache [blocks, block_size, kv_heads, row] lies in memory: "token" (contiguous), "head" (each
+    block stored [kv_heads, block_size, row], as kv_cache_alloc lays out CPU caches: this tensor is then a
+    transposed view of it), or None (neither: the kernels cannot read it)."""
+    if cache.is_contiguous():
+        return "token"
+    return "head" if cache.transpose(1, 2).is_contiguous() else None
+
+
 def layer_struct(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float, window: int = 0,
                  softcap: float = 0.0) -> abi.KvflowAttention:
     """One layer's paged cache [blocks, block_size, kv_heads, head_dim] (head_dim + 4 bytes for an 8-bit
-    cache) as the kernels read it; window > 0 for a sliding-window layer, softcap > 0 for capped scores."""
-    if k_cache.dtype not in CACHE_DTYPES or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("the CPU kernels take contiguous float32, bfloat16, float16 or int8 caches")
+    cache; either layout of cache_layout) as the kernels read it; window > 0 for a sliding-window layer,
+    softcap > 0 for capped scores."""
+    layout = cache_layout(k_cache)
+    if k_cache.dtype not in CACHE_DTYPES or layout is None or cache_layout(v_cache) != layout:
+        raise ValueError("the CPU kernels take float32, bfloat16, float16 or int8 caches, token- or head-major")
     return abi.KvflowAttention(k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
                                cache_dtype=CACHE_DTYPES[k_cache.dtype], block_size=k_cache.shape[1],
                                num_heads=num_heads, num_kv_heads=k_cache.shape[2], head_dim=kv_int8.head_dim_of(k_cache),
-                               scale=scale, window=window, softcap=softcap)
+                               scale=scale, window=window, softcap=softcap, head_major=int(layout == "head"))
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Rows and caches the kernel takes: float32 q/k/v rows (heads contiguous), a float32, bfloat16 or
-    float16 contiguous CPU cache, and query heads that group over the KV heads."""
+    """Rows and caches the kernel takes: float32 q/k/v rows (heads contiguous), a float32, bfloat16, float16
+    or int8 CPU cache in either layout (cache_layout), and query heads that group over the KV heads."""
     ok_rows = all(t.dtype == torch.float32 and t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (q, k, v))
-    return (q.device.type == "cpu" and ok_rows and k_cache.dtype in CACHE_DTYPES and k_cache.is_contiguous()
+    return (q.device.type == "cpu" and ok_rows and k_cache.dtype in CACHE_DTYPES and cache_layout(k_cache) is not None
             and q.shape[1] % k.shape[1] == 0 and available())
 
 

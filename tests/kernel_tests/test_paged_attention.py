@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_batch import make_paged_batch
+from paged_batch import at_slots, make_paged_batch
 
 from kvflow.kernels import paged_attention
 from kvflow.layers.attention.metadata import AttentionMetadata
@@ -60,7 +60,7 @@ def test_half_cache_matches_reference_on_rounded_values(cache_dtype, head_dim):
     expected = batch.reference_output(scale=0.125)
     batch.k = new_k  # the kernel gets the unrounded rows and must round them itself
     torch.testing.assert_close(run_kernel(batch), expected, rtol=1e-5, atol=1e-5)
-    stored = batch.k_cache.view(-1, 3, head_dim)[batch.slot_mapping]
+    stored = batch.k_cache[at_slots(batch.k_cache, batch.slot_mapping)]
     assert torch.equal(stored, new_k.to(cache_dtype))
 
 
@@ -73,8 +73,7 @@ def test_stores_every_token_and_skips_prefill_rows():
     decode_row = 7
     torch.testing.assert_close(out[decode_row], expected[decode_row], rtol=1e-5, atol=1e-5)
     assert torch.count_nonzero(out[:7]) == 0 and torch.count_nonzero(out[8:]) == 0
-    flat_k = batch.k_cache.view(-1, 2, 64)
-    assert torch.equal(flat_k[batch.slot_mapping], batch.k)
+    assert torch.equal(batch.k_cache[at_slots(batch.k_cache, batch.slot_mapping)], batch.k)
 
 
 def test_strided_value_rows():
@@ -107,8 +106,8 @@ def test_a_sequence_result_is_bitwise_independent_of_batch_and_threads():
     for p in range(899):  # copy the long sequence's cached context into this batch's blocks
         src = long.block_tables[0, p // 16] * 16 + p % 16
         dst = batch.block_tables[1, p // 16] * 16 + p % 16
-        batch.k_cache.view(-1, 2, 64)[dst] = long.k_cache.view(-1, 2, 64)[src]
-        batch.v_cache.view(-1, 2, 64)[dst] = long.v_cache.view(-1, 2, 64)[src]
+        batch.k_cache[at_slots(batch.k_cache, dst)] = long.k_cache[at_slots(long.k_cache, src)]
+        batch.v_cache[at_slots(batch.v_cache, dst)] = long.v_cache[at_slots(long.v_cache, src)]
     assert torch.equal(run_kernel(batch)[1], alone[0])
 
 
@@ -190,3 +189,33 @@ def test_sliding_window_and_softcap_match_reference(window, softcap, head_dim):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     no_window = batch.reference_output(scale=0.125)
     assert not torch.allclose(expected, no_window, atol=1e-3)  # the window and cap really change the result
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.int8])
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
+def test_token_and_head_major_caches_give_the_same_bits(cache_dtype, head_dim):
+    """The same values stored in either block layout (kvflow_cpu.h): every output row and every stored row
+    is bitwise the same, decode rows and prompt rows alike (the arithmetic does not depend on addresses)."""
+    outs, stored = [], []
+    for layout in ("token", "head"):
+        batch = make_paged_batch([40, 21, 300], [7, 1, 130], num_kv_heads=2, group=3, head_dim=head_dim,
+                                 block_size=16, dtype=torch.float32, device=CPU, cache_dtype=cache_dtype,
+                                 layout=layout)
+        assert paged_attention.cache_layout(batch.k_cache) == layout
+        out = torch.zeros(batch.q.shape)
+        store_and_attend(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, metadata(batch), 0.125, out,
+                         all_rows=True)
+        outs.append(out)
+        stored.append(batch.v_cache.contiguous())
+    assert torch.equal(outs[0], outs[1]) and torch.count_nonzero(outs[0]) > 0
+    assert torch.equal(stored[0], stored[1])
+
+
+def test_a_cache_in_neither_layout_is_refused():
+    batch = make_paged_batch([10], [1], num_kv_heads=2, group=3, head_dim=64, block_size=16,
+                             dtype=torch.float32, device=CPU)
+    odd = batch.k_cache.permute(0, 3, 1, 2).contiguous().permute(0, 2, 3, 1)  # the head's values strided
+    assert paged_attention.cache_layout(odd) is None
+    assert not paged_attention.supports(batch.q, batch.k, batch.v, odd)
+    with pytest.raises(ValueError, match="token- or head-major"):
+        paged_attention.layer_struct(odd, odd, 6, 0.125)

@@ -15,7 +15,7 @@ import ctypes
 import pytest
 import torch
 from engine_helpers import make_llm
-from paged_batch import make_paged_batch
+from paged_batch import at_slots, make_paged_batch
 
 from kvflow import SamplingParams
 from kvflow.executors.thresholds import ROW_THRESHOLDS
@@ -109,12 +109,11 @@ def test_paged_attention_on_every_tier(tier, head_dim, cache_dtype):
     alone = make_paged_batch([21], [1], num_kv_heads=2, group=3, head_dim=head_dim, block_size=16,
                              dtype=torch.float32, device=torch.device("cpu"), cache_dtype=cache_dtype)
     alone.q, alone.k, alone.v = batch.q[7:8], batch.k[7:8], batch.v[7:8]
-    width = batch.k_cache.shape[-1]
     for p in range(20):
         src = batch.block_tables[1, p // 16] * 16 + p % 16
         dst = alone.block_tables[0, p // 16] * 16 + p % 16
-        alone.k_cache.view(-1, 2, width)[dst] = batch.k_cache.view(-1, 2, width)[src]
-        alone.v_cache.view(-1, 2, width)[dst] = batch.v_cache.view(-1, 2, width)[src]
+        alone.k_cache[at_slots(alone.k_cache, dst)] = batch.k_cache[at_slots(batch.k_cache, src)]
+        alone.v_cache[at_slots(alone.v_cache, dst)] = batch.v_cache[at_slots(batch.v_cache, src)]
     assert torch.equal(attend(lib, alone, all_rows=True, threads=2)[0], out[7])
 
 
@@ -137,7 +136,7 @@ def test_an_8_bit_cache_is_stored_as_kv_int8_writes_it():
             layer=ctypes.byref(layer), step=ctypes.byref(step), rows=ctypes.byref(rows), out=out.data_ptr(),
             out_stride=out.stride(0), all_rows=1, num_threads=2) == 0
         assert torch.equal(kernel_k, k_cache) and torch.equal(kernel_v, v_cache), tier
-        assert torch.all(kv_int8.dequantize(k_cache.view(-1, 2, 68)[batch.slot_mapping[0]])[0] == 0)
+        assert torch.all(kv_int8.dequantize(k_cache[at_slots(k_cache, batch.slot_mapping[0])])[0] == 0)
 
 
 def test_native_decoder_agrees_on_every_tier(fast_loaded):

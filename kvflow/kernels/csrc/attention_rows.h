@@ -27,7 +27,7 @@ constexpr int kRowBlock = 16;  // consecutive query rows of one sequence per wor
 // How many positions ahead the fixed-size path asks for K rows. The rows of one KV head sit one token
 // stride apart, a pattern the hardware prefetcher follows poorly; without this the kernel waits on
 // memory at depth.
-constexpr int kPrefetchAhead = 16;
+constexpr int kPrefetchAhead = 64;
 constexpr int W = v::kLanes;
 
 // An 8-bit cache (T = int8_t) keeps each head's row as head_dim values followed by their float32 scale
@@ -105,7 +105,27 @@ struct Shape {
   float scale;
   int window;     // > 0: a row sees its last `window` positions only
   float softcap;  // > 0: scores become softcap * tanh(score / softcap)
+  bool head_major;  // a block is [kv_heads, block_size, row]; else [block_size, kv_heads, row] (kvflow_cpu.h)
 };
+
+// Where a KV head's row of a position sits: block * block_elems + kv * kv_step + within * pos_step.
+template <typename T>
+inline int64_t block_elems(const Shape& s) {
+  return static_cast<int64_t>(s.block_size) * s.num_kv_heads * head_stride<T>(s.head_dim);
+}
+template <typename T>
+inline int64_t kv_step(const Shape& s) {
+  return s.head_major ? s.block_size * head_stride<T>(s.head_dim) : head_stride<T>(s.head_dim);
+}
+template <typename T>
+inline int64_t pos_step(const Shape& s) {
+  return s.head_major ? head_stride<T>(s.head_dim) : s.num_kv_heads * head_stride<T>(s.head_dim);
+}
+template <typename T>
+inline int64_t slot_offset(const Shape& s, int64_t slot, int kv) {
+  const int64_t block = slot / s.block_size, within = slot - block * s.block_size;
+  return block * block_elems<T>(s) + kv * kv_step<T>(s) + within * pos_step<T>(s);
+}
 
 // A row's scores over a chunk, before its softmax: capped (Gemma 2), and the first `masked` positions
 // (before the row's sliding window) set to -inf, so they weigh exactly 0. Every path runs this same code
@@ -137,11 +157,11 @@ inline float exp_shifted_sum(float* x, int n, float m) {
 // Where each position [lo, lo + n) of a sequence starts in the cache (in elements), through its block
 // table: one division for the chunk, then a walk (a division per position would cost as much as scoring
 // it for short heads).
-inline void chunk_offsets(const int32_t* table, int lo, int n, int block_size, int64_t token_stride,
-                          int64_t* offsets) {
+inline void chunk_offsets(const int32_t* table, int lo, int n, int block_size, int64_t block_elems,
+                          int64_t pos_step, int64_t* offsets) {
   int block = lo / block_size, within = lo - block * block_size;
   for (int p = 0; p < n; ++p) {
-    offsets[p] = (static_cast<int64_t>(table[block]) * block_size + within) * token_stride;
+    offsets[p] = static_cast<int64_t>(table[block]) * block_elems + within * pos_step;
     if (++within == block_size) within = 0, ++block;
   }
 }
@@ -156,8 +176,8 @@ void attend_chunk(const float* q, const T* k_cache, const T* v_cache, const int3
                   int masked, const Shape& s, float* scores, int64_t* offsets, float* max_out, float* sum_out,
                   float* acc_out) {
   const int d = s.head_dim, g = s.group, hkv = s.num_kv_heads, n = hi - lo;
-  const int64_t hs = head_stride<T>(d), token_stride = hkv * hs;
-  chunk_offsets(table, lo, n, s.block_size, token_stride, offsets);
+  const int64_t hs = kv_step<T>(s);
+  chunk_offsets(table, lo, n, s.block_size, block_elems<T>(s), pos_step<T>(s), offsets);
   for (int kv = 0; kv < hkv; ++kv) {
     for (int j = 0; j < g; ++j) {
       const int h = kv * g + j;
@@ -292,8 +312,8 @@ void attend_kv_head(const float* q, const T* k_cache, const T* v_cache, const in
   using B = Blocking<D>;
   constexpr int V = B::V, P = B::P;
   const int g = s.group;
-  const T* k_head = k_cache + kv * head_stride<T>(D);
-  const T* v_head = v_cache + kv * head_stride<T>(D);
+  const T* k_head = k_cache + kv * kv_step<T>(s);
+  const T* v_head = v_cache + kv * kv_step<T>(s);
   const float* q_group = q + static_cast<int64_t>(kv) * g * D;
   float* sc_group = scores + kv * g * kMaxChunk;
   int p = 0;
@@ -441,13 +461,13 @@ void attend_kv_head_rows(const float* const* q_rows, const int* contexts, const 
   const float *k_head, *v_head;
   const float *k_scales = nullptr, *v_scales = nullptr;
   if constexpr (std::is_same_v<T, float>) {
-    k_head = k_cache + kv * D, v_head = v_cache + kv * D;
+    k_head = k_cache + kv * kv_step<T>(s), v_head = v_cache + kv * kv_step<T>(s);
   } else {
     float* kw = widened;
     float* vw = widened + kMaxChunk * D;
     for (int p = 0; p < n_max; ++p) {
-      const T* k = k_cache + offsets[p] + kv * head_stride<T>(D);
-      const T* x = v_cache + offsets[p] + kv * head_stride<T>(D);
+      const T* k = k_cache + offsets[p] + kv * kv_step<T>(s);
+      const T* x = v_cache + offsets[p] + kv * kv_step<T>(s);
       for (int c = 0; c < D; c += W) v::store(kw + p * D + c, v::load(k + c)), v::store(vw + p * D + c, v::load(x + c));
       if constexpr (kScaled<T>) scales[p] = row_scale(k, D), scales[kMaxChunk + 4 + p] = row_scale(x, D);
     }
@@ -524,7 +544,7 @@ void attend_rows(const float* const* q_rows, const int* contexts, const int* sta
       int longest = 0;
       for (int i = 0; i < count; ++i) longest = contexts[i] > longest ? contexts[i] : longest;
       const int n_max = (longest < lo + len ? longest : lo + len) - lo;
-      chunk_offsets(table, lo, n_max, s.block_size, s.num_kv_heads * head_stride<T>(D), offsets);
+      chunk_offsets(table, lo, n_max, s.block_size, block_elems<T>(s), pos_step<T>(s), offsets);
       if (count > 1) {
         thread_local std::vector<float> widened, row_scales, block_scores;
         thread_local std::vector<int64_t> at;

@@ -60,11 +60,10 @@ void run(const KvflowRows& in, T* k_cache, T* v_cache, const KvflowStep& step, f
   const int32_t *query_start = step.query_start, *seq_lens = step.seq_lens, *tables = step.block_tables;
   const int num_tokens = step.num_tokens, num_seqs = step.num_seqs;
   const int d = s.head_dim, hkv = s.num_kv_heads, hq = hkv * s.group;
-  const int64_t hs = head_stride<T>(d), token_stride = hkv * hs;
   for (int t = 0; t < num_tokens; ++t) {  // new K/V into their slots, before anyone reads them
     for (int h = 0; h < hkv; ++h) {
-      store_row(k_new + t * k_stride + h * d, k_cache + slots[t] * token_stride + h * hs, d);
-      store_row(v_new + t * v_stride + h * d, v_cache + slots[t] * token_stride + h * hs, d);
+      store_row(k_new + t * k_stride + h * d, k_cache + slot_offset<T>(s, slots[t], h), d);
+      store_row(v_new + t * v_stride + h * d, v_cache + slot_offset<T>(s, slots[t], h), d);
     }
   }
   // Query rows to attend: every one-token query, and with all_rows every row of every sequence (row r
@@ -181,7 +180,7 @@ extern "C" int32_t kvflow_paged_attention(const KvflowAttention* layer, const Kv
   const KvflowAttention& a = *layer;
   if (a.num_kv_heads < 1 || a.num_heads % a.num_kv_heads) return -1;
   const Shape s{a.num_kv_heads, a.head_dim, a.block_size, a.num_heads / a.num_kv_heads, step->table_stride,
-                a.scale, a.window, a.softcap};
+                a.scale, a.window, a.softcap, a.head_major != 0};
   if (a.cache_dtype == 0)
     run(*rows, static_cast<float*>(a.k_cache), static_cast<float*>(a.v_cache), *step, out, out_stride, s, all_rows,
         num_threads);

@@ -85,12 +85,15 @@ struct Cache {
   int dtype;  // 0 float32, 1 bfloat16, 2 float16
   int block_size;
   int hkv, d;
+  bool head_major;  // a block is [hkv, block_size, d], else [block_size, hkv, d] (kvflow_cpu.h)
 };
 
 template <typename T>
 const T* cache_row(const void* base, const Cache& c, const int32_t* table, int pos, int h) {
-  const int64_t slot = static_cast<int64_t>(table[pos / c.block_size]) * c.block_size + pos % c.block_size;
-  return static_cast<const T*>(base) + (slot * c.hkv + h) * c.d;
+  const int64_t block = table[pos / c.block_size], within = pos % c.block_size;
+  const int64_t row = c.head_major ? (block * c.hkv + h) * c.block_size + within
+                                   : (block * c.block_size + within) * c.hkv + h;
+  return static_cast<const T*>(base) + row * c.d;
 }
 
 // Keys [16 b, 16 b + 16) of KV head h as B tiles for Q K^T: per 32 dims, 32-bit word (i, n) holds dims
@@ -282,7 +285,7 @@ extern "C" int32_t kvflow_prefill_attention_bf16(const KvflowAttention* layer, c
   if (d % 64 != 0 || d > 128 || hkv < 1 || hq % hkv != 0 || cache_dtype < 0 || cache_dtype > 2 || !kvflow::amx_permitted())
     return -1;
   if (layer->window > 0 || layer->softcap > 0.f) return -1;  // sliding windows and capped scores: not on tiles
-  const Cache cache{layer->k_cache, layer->v_cache, cache_dtype, layer->block_size, hkv, d};
+  const Cache cache{layer->k_cache, layer->v_cache, cache_dtype, layer->block_size, hkv, d, layer->head_major != 0};
   std::vector<Sequence> seqs;
   int64_t words = 0;  // packed words per KV head, all sequences
   for (int b = 0; b < num_seqs; ++b) {

@@ -1,7 +1,8 @@
 """Plain-PyTorch attention over a paged KV cache: slow, obvious, and the yardstick for every fast kernel.
 
-Cache layout, per layer: k_cache and v_cache are [num_blocks, block_size, num_kv_heads, head_dim];
-token slot s lives at block s // block_size, offset s % block_size.
+Cache layout, per layer: k_cache and v_cache are [num_blocks, block_size, num_kv_heads, head_dim] (on the
+CPU a transposed view of head-major storage: engine/kv_cache_alloc.py); token slot s lives at block
+s // block_size, offset s % block_size.
 """
 
 from __future__ import annotations
@@ -27,8 +28,12 @@ def store_kv(
     """write_kv without the padding check: every slot must be valid (the eager CPU path never pads)."""
     if kv_int8.is_int8(k_cache):
         k, v = kv_int8.quantize(k), kv_int8.quantize(v)
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    # Indexed by (block, position in it), not through a flat view: a CPU cache is a transposed view of its
+    # head-major storage (engine/kv_cache_alloc.py).
+    block_size = k_cache.shape[1]
+    blocks, within = slot_mapping // block_size, slot_mapping % block_size
+    k_cache[blocks, within] = k.to(k_cache.dtype)
+    v_cache[blocks, within] = v.to(v_cache.dtype)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
