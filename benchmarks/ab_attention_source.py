@@ -6,6 +6,7 @@ CPU's tier, the same flags as kernels/build.py); both attend over the same cache
 alternated, medians printed, and the outputs compared bit for bit.
 
     python benchmarks/ab_attention_source.py --base HEAD [--depth 1900] [--rows 1] [--threads 2] [--rounds 40]
+        [--base-layout head|token]
 """
 
 from __future__ import annotations
@@ -57,21 +58,26 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1, help="query rows of the one sequence (1: decode)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--base-layout", choices=("head", "token"), default="head",
+                    help="the cache layout the base reads (token: revisions before the head-major cache)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     work = Path(tempfile.mkdtemp(prefix="kvflow-ab-"))
     libs = {args.base: library(sources_at(args.base, work / "base"), work / "base.so"),
             "working tree": library(build.CSRC, work / "tree.so")}
-    setup = DecodeSetup(args.depth, args.rows, place=on_huge_pages)
-    layers, meta = setup.layers, setup.meta
-    rows = abi.KvflowRows(q=setup.q.data_ptr(), q_stride=setup.q.stride(0), k=setup.k.data_ptr(),
-                          k_stride=setup.k.stride(0), v=setup.v.data_ptr(), v_stride=setup.v.stride(0))
+    # The same values for both, each in the layout it reads (one setup where the layouts agree).
+    head = DecodeSetup(args.depth, args.rows, place=on_huge_pages, layout="head")
+    setups = {args.base: head if args.base_layout == "head" else
+              DecodeSetup(args.depth, args.rows, place=on_huge_pages, layout="token"), "working tree": head}
     outs = {name: torch.empty(args.rows, HEADS, HEAD_DIM) for name in libs}
 
     def attend(name: str) -> float:
+        setup = setups[name]
+        rows = abi.KvflowRows(q=setup.q.data_ptr(), q_stride=setup.q.stride(0), k=setup.k.data_ptr(),
+                              k_stride=setup.k.stride(0), v=setup.v.data_ptr(), v_stride=setup.v.stride(0))
         t = time.perf_counter()
-        for layer in layers:
-            libs[name].kvflow_paged_attention(layer=ctypes.byref(layer), step=ctypes.byref(meta),
+        for layer in setup.layers:
+            libs[name].kvflow_paged_attention(layer=ctypes.byref(layer), step=ctypes.byref(setup.meta),
                                               rows=ctypes.byref(rows), out=outs[name].data_ptr(),
                                               out_stride=outs[name].stride(0), all_rows=int(args.rows > 1),
                                               num_threads=args.threads)

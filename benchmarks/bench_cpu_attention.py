@@ -40,13 +40,19 @@ def step(query_lens: list[int], seq_lens: list[int], slots: torch.Tensor, tables
 
 class DecodeSetup:
     """One sequence's `rows` new query rows at `depth` cached positions, in each of 30 layers' caches
-    (float16, blocks in a random order), with the structs the kernel reads; `place` puts each cache
-    tensor where it should live (as it is, or on huge pages)."""
+    (float16, blocks in a random order, stored in `layout` as engine/kv_cache_alloc does: "head" or
+    "token"), with the structs the kernel reads; `place` puts each cache tensor where it should live (as
+    it is, or on huge pages). The values depend on `seed` only, not on the layout."""
 
-    def __init__(self, depth: int, rows: int = 1, place=lambda t: t) -> None:
+    def __init__(self, depth: int, rows: int = 1, place=lambda t: t, layout: str = "head", seed: int = 0) -> None:
+        torch.manual_seed(seed)
         blocks = (depth + rows) // BLOCK + 2
-        self.caches = [tuple(place(torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM).half()) for _ in range(2))
-                       for _ in range(LAYERS)]
+
+        def cache() -> torch.Tensor:
+            values = torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM).half()
+            return place(values.transpose(1, 2).contiguous()).transpose(1, 2) if layout == "head" else place(values)
+
+        self.caches = [(cache(), cache()) for _ in range(LAYERS)]
         table = torch.randperm(blocks).to(torch.int32)[None]
         pos = torch.arange(depth, depth + rows)
         slots = table[0, pos // BLOCK].long() * BLOCK + pos % BLOCK
@@ -71,8 +77,9 @@ def prefill_layer_ms(prompt: int, reps: int) -> dict[str, float]:
     """One layer's attention for a fresh prompt: the C++ kernel on every row, the AMX tiles (where they
     run) and PyTorch's float32 flash kernel, milliseconds each."""
     blocks = prompt // BLOCK + 1
-    k_cache = torch.zeros(blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.float16)
-    v_cache = torch.zeros_like(k_cache)
+    # Head-major blocks, as engine/kv_cache_alloc lays out a CPU cache.
+    k_cache = torch.zeros(blocks, KV_HEADS, BLOCK, HEAD_DIM, dtype=torch.float16).transpose(1, 2)
+    v_cache = torch.zeros(blocks, KV_HEADS, BLOCK, HEAD_DIM, dtype=torch.float16).transpose(1, 2)
     qkv = torch.randn(prompt, (HEADS + 2 * KV_HEADS) * HEAD_DIM)
     q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=1)
     q, k, v = q.view(prompt, HEADS, HEAD_DIM), k.view(prompt, KV_HEADS, HEAD_DIM), v.view(prompt, KV_HEADS, HEAD_DIM)

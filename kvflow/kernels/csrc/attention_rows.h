@@ -254,7 +254,7 @@ inline void weighted_values(const T* v_head, const int64_t* offsets, int n, cons
     const float row_weight = row_scale(row, D);
     if (i + kPrefetchAhead < n) {  // fetched here, not while scoring: a chunk's K rows would evict them first
       const char* ahead = reinterpret_cast<const char*>(v_head + offsets[i + kPrefetchAhead]);
-      for (int line = 0; line < kLines; ++line) __builtin_prefetch(ahead + 64 * line, 0, 3);
+      for (int line = 0; line < kLines; ++line) __builtin_prefetch(ahead + 64 * line, 0, 2);
     }
     v::vf x[V];
     for (int k = 0; k < V; ++k) x[k] = v::load(row + W * k);
@@ -323,7 +323,7 @@ void attend_kv_head(const float* q, const T* k_cache, const T* v_cache, const in
       for (int i = 0; i < P; ++i) {
         const int ahead = p + i + kPrefetchAhead < n ? p + i + kPrefetchAhead : p + i;
         const char* k_next = reinterpret_cast<const char*>(k_head + offsets[ahead]);
-        for (int line = 0; line < kLines; ++line) __builtin_prefetch(k_next + 64 * line, 0, 3);
+        for (int line = 0; line < kLines; ++line) __builtin_prefetch(k_next + 64 * line, 0, 2);
       }
     }
     v::vf k[P][V];
