@@ -10,6 +10,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cache_layout.h"
 #include "row_ops.h"
 #include "simd.h"
 
@@ -110,23 +111,22 @@ struct Shape {
   bool head_major;  // a block is [kv_heads, block_size, row]; else [block_size, kv_heads, row] (kvflow_cpu.h)
 };
 
-// Where a KV head's row of a position sits: block * block_elems + kv * kv_step + within * pos_step.
+// Where a KV head's row of a position sits, in T elements (cache_layout.h): the row at (block, within,
+// kv), and the steps between rows of the next block, KV head and position, for walking a chunk.
 template <typename T>
-inline int64_t block_elems(const Shape& s) {
-  return static_cast<int64_t>(s.block_size) * s.num_kv_heads * head_stride<T>(s.head_dim);
+inline int64_t row_offset(const Shape& s, int64_t block, int within, int kv) {
+  return cache_row_index(block, within, kv, s.num_kv_heads, s.block_size, s.head_major) * head_stride<T>(s.head_dim);
 }
 template <typename T>
-inline int64_t kv_step(const Shape& s) {
-  return s.head_major ? s.block_size * head_stride<T>(s.head_dim) : head_stride<T>(s.head_dim);
-}
+inline int64_t block_elems(const Shape& s) { return row_offset<T>(s, 1, 0, 0); }
 template <typename T>
-inline int64_t pos_step(const Shape& s) {
-  return s.head_major ? head_stride<T>(s.head_dim) : s.num_kv_heads * head_stride<T>(s.head_dim);
-}
+inline int64_t kv_step(const Shape& s) { return row_offset<T>(s, 0, 0, 1); }
+template <typename T>
+inline int64_t pos_step(const Shape& s) { return row_offset<T>(s, 0, 1, 0); }
 template <typename T>
 inline int64_t slot_offset(const Shape& s, int64_t slot, int kv) {
-  const int64_t block = slot / s.block_size, within = slot - block * s.block_size;
-  return block * block_elems<T>(s) + kv * kv_step<T>(s) + within * pos_step<T>(s);
+  const int64_t block = slot / s.block_size;
+  return row_offset<T>(s, block, static_cast<int>(slot - block * s.block_size), kv);
 }
 
 // A row's scores over a chunk, before its softmax: capped (Gemma 2), and the first `masked` positions
@@ -178,14 +178,14 @@ void attend_chunk(const float* q, const T* k_cache, const T* v_cache, const int3
                   int masked, const Shape& s, float* scores, int64_t* offsets, float* max_out, float* sum_out,
                   float* acc_out) {
   const int d = s.head_dim, g = s.group, hkv = s.num_kv_heads, n = hi - lo;
-  const int64_t hs = kv_step<T>(s);
+  const int64_t kv_stride = kv_step<T>(s);
   chunk_offsets(table, lo, n, s.block_size, block_elems<T>(s), pos_step<T>(s), offsets);
   for (int kv = 0; kv < hkv; ++kv) {
     for (int j = 0; j < g; ++j) {
       const int h = kv * g + j;
       float* sc = scores + h * kMaxChunk;
       for (int p = 0; p < n; ++p)
-        sc[p] = dot(q + h * d, k_cache + offsets[p] + kv * hs, d) * s.scale;
+        sc[p] = dot(q + h * d, k_cache + offsets[p] + kv * kv_stride, d) * s.scale;
       cap_and_mask(sc, n, masked, s.softcap);
       const float m = largest(sc, n);
       max_out[h] = m;
@@ -198,7 +198,7 @@ void attend_chunk(const float* q, const T* k_cache, const T* v_cache, const int3
       const int h = kv * g + j;
       const float* sc = scores + h * kMaxChunk;
       for (int p = 0; p < n; ++p)
-        add_scaled(acc_out + h * d, sc[p], v_cache + offsets[p] + kv * hs, d);
+        add_scaled(acc_out + h * d, sc[p], v_cache + offsets[p] + kv * kv_stride, d);
     }
   }
 }

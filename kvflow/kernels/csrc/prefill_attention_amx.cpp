@@ -16,6 +16,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cache_layout.h"
 #include "kvflow_cpu.h"
 #include "simd.h"
 #include "threads.h"
@@ -90,9 +91,8 @@ struct Cache {
 
 template <typename T>
 const T* cache_row(const void* base, const Cache& c, const int32_t* table, int pos, int h) {
-  const int64_t block = table[pos / c.block_size], within = pos % c.block_size;
-  const int64_t row = c.head_major ? (block * c.hkv + h) * c.block_size + within
-                                   : (block * c.block_size + within) * c.hkv + h;
+  const int64_t row = kvflow::cache_row_index(table[pos / c.block_size], pos % c.block_size, h, c.hkv, c.block_size,
+                                              c.head_major);
   return static_cast<const T*>(base) + row * c.d;
 }
 
