@@ -22,6 +22,7 @@ from kvflow.kernels.huge_pages import MIN_BYTES, HugePageArena, huge_page_zeros,
 GROUP = 32  # inputs per block (one scale and offset per block and column)
 GROUPS = (32, 16)  # the block sizes the kernel takes: 16 for Q6_K / Q3_K / Q2_K scales
 COLUMNS = 16  # output columns side by side in one vector
+BITS = (4, 6, 8)  # code widths: 6 keeps Q6_K (and 5-bit codes) at 7 bits a weight, not 9
 INPUT_STEPS = 32639  # inputs are quantized per block to integers within +-INPUT_STEPS (kMaxInt in the C++)
 
 
@@ -66,9 +67,11 @@ def _f16_exact(t: torch.Tensor) -> bool:
 
 def can_pack(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int, bits: int,
              centre: int = 0) -> bool:
-    """Whether `pack` keeps these codes exactly: groups of 32 or 16, scales and offsets exact in float16
-    (a centred weight's offsets are -centre * scale, not stored)."""
-    if group_size not in GROUPS or q.shape[1] % group_size or bits not in (4, 8):
+    """Whether `pack` keeps these codes exactly: groups of 32 or 16, codes within `bits` (4, 6 or 8), scales
+    and offsets exact in float16 (a centred weight's offsets are -centre * scale, not stored)."""
+    if group_size not in GROUPS or q.shape[1] % group_size or bits not in BITS:
+        return False
+    if bits < 8 and q.numel() and int(q.max()) >= 1 << bits:
         return False
     return _f16_exact(scale) and (_f16_exact(offset) if not centre else torch.equal(offset, -centre * scale))
 
@@ -79,19 +82,24 @@ def pack(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size:
     with centre (symmetric codes: offset = -centre * scale) the offsets are not stored. Raises ValueError
     where `can_pack` is false."""
     if not can_pack(q, scale, offset, group_size, bits, centre):
-        raise ValueError("packed matmul needs groups of 32 or 16 inputs and float16-exact scales and offsets")
+        raise ValueError("packed matmul needs groups of 32 or 16 inputs, codes within their width and float16-exact "
+                         "scales and offsets")
     n, k = q.shape
     groups, blocks = -(-n // COLUMNS), k // group_size
-    rows = group_size // (8 if bits == 4 else 4)  # 64-byte code rows per block
+    rows = group_size // (4 if bits == 8 else 8)  # 64-byte code rows per block (of nibbles, below 8 bits)
     pad = groups * COLUMNS - n
     if pad:
         q = torch.cat([q, q.new_zeros(pad, k)])
         scale = torch.cat([scale, scale.new_zeros(pad, blocks)])
         offset = torch.cat([offset, offset.new_zeros(pad, blocks)])
-    if bits == 4:
+    if bits < 8:
         # input k = 8 row + 4 half + t -> byte (row, column, t): half 0 in the low nibble, 1 in the high
-        q6 = q.view(groups, COLUMNS, blocks, rows, 2, 4).permute(0, 2, 3, 4, 1, 5)
+        q6 = (q & 0x0F).view(groups, COLUMNS, blocks, rows, 2, 4).permute(0, 2, 3, 4, 1, 5)
         codes = (q6[:, :, :, 0] | (q6[:, :, :, 1] << 4)).reshape(groups, blocks, 64 * rows)
+        if bits == 6:  # then the top two bits: input k = 16 row + 4 i + t -> bits 2 i of byte (row, column, t)
+            top = (q >> 4).view(groups, COLUMNS, blocks, rows // 2, 4, 4).permute(0, 2, 3, 1, 5, 4)
+            top = top[..., 0] | (top[..., 1] << 2) | (top[..., 2] << 4) | (top[..., 3] << 6)
+            codes = torch.cat([codes, top.reshape(groups, blocks, 32 * rows)], dim=-1)
     else:  # input k = 4 row + t -> byte (row, column, t)
         codes = q.view(groups, COLUMNS, blocks, rows, 4).permute(0, 2, 3, 1, 4).reshape(groups, blocks, 64 * rows)
     has_offset = not centre and bool(offset.any())
@@ -162,15 +170,20 @@ def codes(pw: PackedWeight, rows: torch.Tensor | None = None) -> tuple[torch.Ten
     """The stored weights as (q float32 [R, k], scale, offset float32 [R, k // group]) for output rows
     `rows` (default all): w = scale * q + offset."""
     groups, blocks, _ = pw.data.shape
-    code_rows = pw.group // (8 if pw.bits == 4 else 4)
+    code_rows = pw.group // (4 if pw.bits == 8 else 8)
     rows = torch.arange(pw.n) if rows is None else rows.reshape(-1)
     chunk = pw.data[rows // COLUMNS]  # [R, blocks, bytes]
     col = rows % COLUMNS
     picked = torch.arange(len(rows))
     code = chunk[..., : pw.code_bytes]
-    if pw.bits == 4:
-        mine = code.view(-1, blocks, code_rows, COLUMNS, 4)[picked, :, :, col]  # [R, blocks, row, t]
-        q = torch.stack([mine & 0x0F, mine >> 4], dim=3).float()  # [R, blocks, row, half, t]
+    if pw.bits < 8:
+        mine = code[..., : 64 * code_rows].reshape(-1, blocks, code_rows, COLUMNS, 4)[picked, :, :, col]
+        q = torch.stack([mine & 0x0F, mine >> 4], dim=3).reshape(len(rows), blocks, pw.group)  # [R, blocks, row, half, t]
+        if pw.bits == 6:  # the top two bits of input 16 row + 4 i + t: bits 2 i of byte (row, t)
+            top = code[..., 64 * code_rows :].reshape(-1, blocks, code_rows // 2, COLUMNS, 4)[picked, :, :, col]
+            pairs = torch.stack([(top >> (2 * i)) & 3 for i in range(4)], dim=3)  # [R, blocks, row, i, t]
+            q = q | (pairs.reshape(len(rows), blocks, pw.group) << 4)
+        q = q.float()
     else:
         q = code.view(-1, blocks, code_rows, COLUMNS, 4)[picked, :, :, col].float()  # [R, blocks, row, t]
     q = q.reshape(len(rows), pw.k)
@@ -201,12 +214,13 @@ def available() -> bool:
 
 
 def random_weight(n: int, k: int, bits: int = 4, seed: int = 0) -> PackedWeight:
-    """A packed [n, k] weight of random codes and float16-exact scales (4-bit: zero offsets; 8-bit: Q8_0's
-    centred codes), for timing the kernel."""
+    """A packed [n, k] weight of random codes and float16-exact scales (4-bit: zero offsets; 6- and 8-bit:
+    codes centred as Q6_K's and Q8_0's), for timing the kernel."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, generator=gen)
     scale = (torch.rand(n, k // 32, generator=gen) * 0.01).half().float()
-    return pack(q, scale, torch.zeros_like(scale) if bits == 4 else -128 * scale, 32, bits, 0 if bits == 4 else 128)
+    centre = 0 if bits == 4 else 1 << (bits - 1)
+    return pack(q, scale, -centre * scale, 32, bits, centre)
 
 
 def path() -> str | None:
@@ -267,6 +281,6 @@ def matmul(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None, i
                                            m=x.shape[0], y=y.data_ptr(), y_stride=y.stride(0),
                                            input_bits=input_bits, num_threads=torch.get_num_threads())
     if rc != 0:
-        raise RuntimeError("the packed matmul kernel refused its input (blocks of 32 or 16 inputs, 4- or 8-bit "
-                           "codes, 8- or 16-bit inputs)")
+        raise RuntimeError("the packed matmul kernel refused its input (blocks of 32 or 16 inputs, 4-, 6- or "
+                           "8-bit codes, 8- or 16-bit inputs)")
     return y

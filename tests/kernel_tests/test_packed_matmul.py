@@ -22,16 +22,19 @@ def pack(bq: BlockQuant) -> packed_matmul.PackedWeight:
 
 
 def codes(bits: int, n: int, k: int, seed: int = 0) -> BlockQuant:
-    """GGUF-like codes: float16 scales (Q4_1-style offsets for 4 bits, Q8_0's -128 d for 8)."""
+    """GGUF-like codes: float16 scales (Q4_1-style offsets for 4 bits, Q6_K's -32 d for 6 (stored), Q8_0's
+    -128 d for 8)."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 0.1
     bq = quantize_weight(w, "int4" if bits == 4 else "int8", 32)
+    if bits == 6:  # the 8-bit codes' top six bits, four times the step
+        bq = BlockQuant(bq.q >> 2, bq.scale * 4, bq.offset, 32, 6)
     bq.scale = bq.scale.half().float()
-    bq.offset = bq.offset.half().float() if bits == 4 else -128.0 * bq.scale
+    bq.offset = {4: bq.offset.half().float(), 6: -32.0 * bq.scale, 8: -128.0 * bq.scale}[bits]
     return bq
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 6, 8])
 @pytest.mark.parametrize(("n", "k"), [(100, 64), (960, 576), (576, 1536)])
 def test_layout_round_trip_and_accuracy(bits, n, k):
     bq = codes(bits, n, k)
@@ -48,7 +51,7 @@ def test_layout_round_trip_and_accuracy(bits, n, k):
     assert ((y.double() - ref).abs() <= bound).all()
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 6, 8])
 # 200 x 576: VNNI below 16 rows, AMX int8 tiles from 16 where the CPU has them; on one thread at one row.
 # 960 x 576: the same paths, split across threads already at one row (a layer's qkv projection). 2048 x 64:
 # a wide, shallow matrix like the output head, on tiles 8 rows high at 8 rows and 16 high from 16.
@@ -82,7 +85,8 @@ def test_codes_it_cannot_keep_exactly_are_refused():
     assert packed_matmul.can_pack(*parts(bq))
     inexact = BlockQuant(bq.q, bq.scale * (1 + 2**-20), bq.offset, 32, 4)  # scales not float16 values
     wide = quantize_weight(torch.randn(32, 128), "int8", 64)
-    for bad in (inexact, wide):
+    eight_in_six = BlockQuant(codes(8, 32, 64).q | 0x80, bq.scale, bq.offset, 32, 6)  # codes past 63
+    for bad in (inexact, wide, eight_in_six):
         assert not packed_matmul.can_pack(*parts(bad))
         with pytest.raises(ValueError, match="groups of 32"):
             pack(bad)
@@ -90,7 +94,7 @@ def test_codes_it_cannot_keep_exactly_are_refused():
         packed_matmul.matmul(torch.randn(2, 64, dtype=torch.float64), pack(bq))
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 6, 8])
 def test_exact_top_gives_the_exact_argmax(bits):
     """Outputs within two error bounds of a row's largest are recomputed from the codes in double: the
     argmax, and those values, are the exact product's; the others stay within the bound."""
@@ -113,8 +117,8 @@ def test_exact_top_gives_the_exact_argmax(bits):
 @pytest.mark.parametrize("shared_input", [True, False])
 def test_many_one_row_matmuls_in_one_call_are_each_a_matmul(shared_input):
     """matmul_many (a decode token's experts): each row bitwise the single matmul's, with one input for
-    every weight or one each; 4- and 8-bit weights mixed."""
-    weights = [pack(codes(bits, 272, 256, seed=i)) for i, bits in enumerate([4, 8, 4, 4, 8])]
+    every weight or one each; 4-, 6- and 8-bit weights mixed."""
+    weights = [pack(codes(bits, 272, 256, seed=i)) for i, bits in enumerate([4, 8, 6, 4, 8])]
     x = torch.randn(1 if shared_input else len(weights), 256)
     many = packed_matmul.matmul_many(x, weights)
     assert many is not None

@@ -42,14 +42,15 @@ def matmul(lib, pw, x: torch.Tensor, threads: int = 2, input_bits: int = 16) -> 
     return y
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 6, 8])
 @pytest.mark.parametrize(("n", "k"), [(200, 64), (960, 576), (3072, 576), (576, 1536)])
 def test_packed_matmul_is_bitwise_equal_on_every_tier(bits, n, k):
     g = torch.Generator().manual_seed(n + bits)
     bq = quantize_weight(torch.randn(n, k, generator=g) * 0.1, "int4" if bits == 4 else "int8", 32)
+    q = bq.q >> 2 if bits == 6 else bq.q  # 6-bit codes: the 8-bit ones' top six bits
     bq.scale = bq.scale.half().float()
     bq.offset = bq.offset.half().float() if bits == 4 else -128.0 * bq.scale
-    pw = packed_matmul.pack(bq.q, bq.scale, bq.offset, bq.group_size, bq.bits)
+    pw = packed_matmul.pack(q, bq.scale, bq.offset, bq.group_size, bits)
     for m in (1, 3, 8, 17, 40):  # VNNI, AMX 8- and 16-row tiles where the CPU has them
         x = torch.randn(m, k, generator=g) * 2
         for input_bits in (8, 16):

@@ -43,9 +43,14 @@ int32_t centre_of(int32_t type) {
   }
 }
 
-bool eight_bit_codes(int32_t type) {
-  return type == kQ8_0 || type == kQ5_0 || type == kQ5_1 || type == kIQ4_NL || type == kQ5_K || type == kQ6_K ||
-         type == kIQ4_XS;
+// The bits the type's codes (as decode_block gives them) need: Q5_0's are centred on 128, as Q8_0's.
+int code_bits(int32_t type) {
+  switch (type) {
+    case kQ8_0: case kQ5_0: case kIQ4_NL: case kIQ4_XS: return 8;
+    case kQ6_K: return 6;
+    case kQ5_1: case kQ5_K: return 5;
+    default: return 4;
+  }
 }
 
 // The type's elements and bytes per block, and inputs per scale; false for a type not held here.
@@ -196,12 +201,12 @@ bool to_half(float x, kvflow::float16* out) {  // nearest float16; false where i
 
 extern "C" int32_t kvflow_pack_gguf(const KvflowGgufPart* parts, int32_t count, int64_t k, int32_t bits, int32_t block,
                                     int32_t centre, uint8_t* out, int32_t num_threads) {
-  if (count <= 0 || (bits != 4 && bits != 8) || !kvflow::packed::valid_block(block) || k <= 0) return -1;
+  if (count <= 0 || !kvflow::packed::valid_bits(bits) || !kvflow::packed::valid_block(block) || k <= 0) return -1;
   int64_t n = 0;
   for (int32_t p = 0; p < count; ++p) {
     int elements, bytes, group;
     if (!block_shape(parts[p].type, &elements, &bytes, &group) || k % elements || group % block ||
-        parts[p].row_bytes != k / elements * bytes || (bits == 4 && eight_bit_codes(parts[p].type)) ||
+        parts[p].row_bytes != k / elements * bytes || code_bits(parts[p].type) > bits ||
         parts[p].rows <= 0 || (centre && centre_of(parts[p].type) != centre))
       return -1;
     n += parts[p].rows;
@@ -213,7 +218,7 @@ extern "C" int32_t kvflow_pack_gguf(const KvflowGgufPart* parts, int32_t count, 
     // A group's 16 rows decoded side by side, then its chunks written in order, once each.
     std::vector<uint8_t> q(16 * k);
     std::vector<float> scale(k), offset(k);  // per column, k / 16 sub-blocks at most
-    std::vector<uint8_t> wide(64 * 8);        // one block of 32 as 8-bit code rows, for 4-bit weights
+    std::vector<uint8_t> wide(64 * 8);        // one block of 32 as 8-bit code rows, for 4- and 6-bit weights
     int groups_of[16];
     team.for_dynamic(static_cast<int>(groups), [&](int g) {
       for (int c = 0; c < 16; ++c) {
@@ -241,14 +246,24 @@ extern "C" int32_t kvflow_pack_gguf(const KvflowGgufPart* parts, int32_t count, 
       for (int64_t b = 0; b < blocks; ++b, at += chunk) {
         const int64_t i0 = b * block;
         // The block as 8-bit code rows first (row r: inputs 4 r + t, 4 bytes a column); 4-bit rows are then
-        // pairs of them, row 2 r in the low nibbles and 2 r + 1 in the high ones: 64-byte loops that vectorize.
+        // pairs of them, row 2 r in the low nibbles and 2 r + 1 in the high ones, and a 6-bit block's rows
+        // of top bits fours of them (row 4 p + i in bits 2 i, 2 i + 1): 64-byte loops that vectorize.
         uint8_t* rows8 = bits == 8 ? at : wide.data();
         for (int r = 0; r < block / 4; ++r)
           for (int j = 0; j < 16; ++j) std::memcpy(rows8 + 64 * r + 4 * j, q.data() + j * k + i0 + 4 * r, 4);
-        if (bits == 4)
+        if (bits != 8)
           for (int r = 0; r < block / 8; ++r)
             for (int x = 0; x < 64; ++x)
-              at[64 * r + x] = static_cast<uint8_t>(rows8[128 * r + x] | (rows8[128 * r + 64 + x] << 4));
+              at[64 * r + x] = static_cast<uint8_t>((rows8[128 * r + x] & 15) | ((rows8[128 * r + 64 + x] & 15) << 4));
+        if (bits == 6) {
+          uint8_t* top = at + kvflow::packed::top_bits_at(block);
+          for (int p = 0; p < block / 16; ++p)
+            for (int x = 0; x < 64; ++x) {
+              const uint8_t* four = rows8 + 256 * p + x;
+              top[64 * p + x] = static_cast<uint8_t>((four[0] >> 4) | ((four[64] >> 4) << 2) | ((four[128] >> 4) << 4) |
+                                                     ((four[192] >> 4) << 6));
+            }
+        }
         for (int j = 0; j < 16; ++j) {
           const int64_t sub = j * (k / 16) + (groups_of[j] == 16 ? i0 >> 4 : i0 >> 5);
           kvflow::float16 sh, oh;

@@ -11,12 +11,14 @@
 
 extern "C" {
 
-// A [n, k] weight in 4 or 8 bits with an affine code per block of `block` inputs (32, or 16 for the
-// K-quants whose scales cover 16): w = scale * q + offset, q unsigned (0..15 or 0..255). Output columns
-// come in groups of 16; the bytes of (group g, block b) sit at data + (g * (k / block) + b) * chunk_bytes,
-// so one group's weights are one contiguous stream. Its codes are rows of 64 bytes, byte 4 j + t of a row
-// belonging to column j:
+// A [n, k] weight in 4, 6 or 8 bits with an affine code per block of `block` inputs (32, or 16 for the
+// K-quants whose scales cover 16): w = scale * q + offset, q unsigned (0..15, 0..63 or 0..255). Output
+// columns come in groups of 16; the bytes of (group g, block b) sit at data + (g * (k / block) + b) *
+// chunk_bytes, so one group's weights are one contiguous stream. Its codes are rows of 64 bytes, byte
+// 4 j + t of a row belonging to column j:
 //   4 bits: block / 8 rows; row r holds input 8 r + t in the low nibble and input 8 r + 4 + t in the high one.
+//   6 bits: the code's low 4 bits as the 4-bit rows, then block / 16 rows of its top 2 bits: bits 2 i, 2 i + 1
+//           of row p hold input 16 p + 4 i + t (Q6_K, Q5_K and Q5_1 kept at 7 bits a weight, not 9).
 //   8 bits: block / 4 rows; row r holds input 4 r + t.
 // then 16 float16 scales, then (when has_offset) 16 float16 offsets. A row (or its masked nibbles) is
 // the unsigned operand of one AVX512-VNNI dot product: 16 columns x 4 inputs.
@@ -79,11 +81,11 @@ struct KvflowGgufPart {
   int32_t type;
 };
 
-// The parts, fused along the output dim, into the packed layout above (bits 4 or 8, blocks of `block`
+// The parts, fused along the output dim, into the packed layout above (bits 4, 6 or 8, blocks of `block`
 // inputs, with offsets; or, with centre, every part of a symmetric type of that centre, none stored): out
 // holds ceil(n / 16) * (k / block) chunks. The codes and float32 scales are
 // kernels/../layers/quant/packing.py's, the scales rounded to float16. Returns 0; -1 for parts it does
-// not take (a type without a packed form, 8-bit codes into 4 bits, sizes that disagree); -2 where a
+// not take (a type without a packed form, codes wider than `bits`, sizes that disagree); -2 where a
 // scale or offset is not finite in float16 (out then unusable).
 int32_t kvflow_pack_gguf(const KvflowGgufPart* parts, int32_t count, int64_t k, int32_t bits, int32_t block,
                          int32_t centre, uint8_t* out, int32_t num_threads);

@@ -7,6 +7,7 @@
 
 #include "amx_tiles.h"
 #include "packed_common.h"
+#include "packed_vnni.h"
 #include "tuning.h"
 
 namespace kvflow::packed {
@@ -35,13 +36,20 @@ void configure_tiles(int tile_rows) {
   kvflow::load_tile_config(c);
 }
 
-// 4-bit codes of one block -> 8 rows of 64 unsigned bytes (row 2r: low nibbles of row r, 2r + 1: high).
-inline void widen_codes(const uint8_t* src, uint8_t* dst) {
+// 4- or 6-bit codes of one block -> 8 rows of 64 unsigned bytes (row 2r: the codes of row r's low nibbles,
+// 2r + 1: of its high ones), the 8-bit layout the tiles read.
+inline void widen_codes(const uint8_t* src, int bits, uint8_t* dst) {
   const __m512i low_nibble = _mm512_set1_epi8(0x0f);
   for (int r = 0; r < 4; ++r) {
-    const __m512i v = _mm512_loadu_si512(src + 64 * r);
-    _mm512_store_si512(dst + 128 * r, _mm512_and_si512(v, low_nibble));
-    _mm512_store_si512(dst + 128 * r + 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibble));
+    __m512i first, second;
+    if (bits == 6) {
+      vnni::six_bit_codes<kBlock>(src, r, &first, &second);
+    } else {
+      const __m512i v = _mm512_loadu_si512(src + 64 * r);
+      first = _mm512_and_si512(v, low_nibble), second = _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibble);
+    }
+    _mm512_store_si512(dst + 128 * r, first);
+    _mm512_store_si512(dst + 128 * r + 64, second);
   }
 }
 
@@ -54,19 +62,20 @@ void amx_groups(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const R
   configure_tiles(R);
   const int64_t nb = w.k / kBlock;
   const size_t chunk = chunk_bytes(w);
-  const size_t code_bytes = w.bits == 4 ? 256 : 512;
+  const size_t code_bytes = packed::code_bytes(w);
+  const bool widened = w.bits != 8;  // 4- and 6-bit codes go to the tiles as 8-bit rows
   const bool has_offset = w.has_offset != 0, any_offset = has_offset || w.centre != 0;
   const __m512 minus_centre = _mm512_set1_ps(-static_cast<float>(w.centre));
-  thread_local std::vector<uint8_t> wide_store;  // widened 4-bit codes of one group, 64-byte aligned below
+  thread_local std::vector<uint8_t> wide_store;  // widened codes of one group, 64-byte aligned below
   wide_store.resize(static_cast<size_t>(nb) * 512 + 64);
   uint8_t* wide = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(wide_store.data()) + 63) & ~uintptr_t{63});
   alignas(64) int32_t sum_hi[256], sum_lo[256];
   for (int64_t g = g_lo; g < g_hi; ++g) {
     const uint8_t* group = w.data + static_cast<size_t>(g) * nb * chunk;
-    if (w.bits == 4)
+    if (widened)
       for (int64_t b = 0; b < nb; ++b) {
         prefetch_ahead(group + b * chunk, chunk);
-        widen_codes(group + b * chunk, wide + b * 512);
+        widen_codes(group + b * chunk, w.bits, wide + b * 512);
       }
     const int64_t left = w.n - g * 16;
     const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
@@ -76,8 +85,8 @@ void amx_groups(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const R
       for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* at = group + b * chunk;
-        if (w.bits != 4 && r0 == 0) prefetch_ahead(at, chunk);
-        _tile_loadd(2, w.bits == 4 ? wide + b * 512 : at, 64);
+        if (!widened && r0 == 0) prefetch_ahead(at, chunk);
+        _tile_loadd(2, widened ? wide + b * 512 : at, 64);
         _tile_loadd(0, rows.hi + r0 * rows.stride + b * kBlock, rows.stride);
         _tile_loadd(1, rows.lo + r0 * rows.stride + b * kBlock, rows.stride);
         _tile_zero(4);

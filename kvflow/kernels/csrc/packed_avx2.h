@@ -3,8 +3,8 @@
 // (pairs summed to 32 bits), as llama.cpp's AVX2 dot products do.
 //
 // vpmaddubsw saturates, so each product must stay small: 4-bit codes (0..15) times digits (-128..127)
-// give at most 3,840 per pair, and eight steps of a block summed in 16 bits stay below 32,767. 8-bit codes
-// go as their two nibbles (c = 16 h + l) and are recombined in 32 bits. Every sum is exact, and the float
+// give at most 3,840 per pair, and eight steps of a block summed in 16 bits stay below 32,767. 6- and 8-bit
+// codes go as their low nibble and the rest (c = 16 h + l), recombined in 32 bits. Every sum is exact, and the float
 // epilogue is the VNNI path's, lane for lane: the result is bitwise the same.
 #pragma once
 
@@ -112,14 +112,14 @@ inline __m256i broadcast4(const int8_t* p) {  // four input digits, in every 32-
 }
 
 // Columns 16 g + 8 half .. + 8 of group g for M rows, H halves (1 or 2) from `half` on. Two: two input
-// digits (16-bit inputs), else one (8-bit). The code width and the offset are template arguments too, so
+// digits (16-bit inputs), else one (8-bit). The code width (Bits) and the offset are template arguments too, so
 // that only the sums a format uses are live: with run-time flags the compiler kept all of them and
 // spilled the accumulators to the stack.
-template <int Block, int M, int H, bool Two, bool FourBit, bool HasOffset>
+template <int Block, int M, int H, bool Two, int Bits, bool HasOffset>
 void tile(const KvflowPackedWeight& w, int64_t g, int half, const Rows& rows, float* y, int64_t y_stride) {
   const int64_t nb = w.k / Block;
   const size_t chunk = chunk_bytes(w), codes_end = code_bytes(w);
-  constexpr bool has_offset = HasOffset, four_bit = FourBit;
+  constexpr bool has_offset = HasOffset, four_bit = Bits == 4;
   const uint8_t* base = w.data + static_cast<size_t>(g) * nb * chunk;
   const __m256i low_nibble = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
   __m256 acc[M][H];
@@ -128,7 +128,8 @@ void tile(const KvflowPackedWeight& w, int64_t g, int half, const Rows& rows, fl
   for (int64_t b = 0; b < nb; ++b) {
     const size_t at = static_cast<size_t>(b) * chunk;
     if (half == 0) prefetch_ahead(base + at, chunk);
-    // 16-bit sums over the block: [digit][nibble] (nibble 1: the high nibbles of 8-bit codes). Every index
+    // 16-bit sums over the block: [digit][nibble] (nibble 1: what is above the low nibble of 6- and 8-bit
+    // codes). Every index
     // is a compile-time constant, so the sums stay in registers (a run-time nibble index put them on the
     // stack, and the kernel ran at half speed).
     __m256i s16[M][H][2][2];
@@ -160,6 +161,25 @@ void tile(const KvflowPackedWeight& w, int64_t g, int half, const Rows& rows, fl
         }
         step(2 * row, low, lo);
         step(2 * row + 1, low, hi);
+      }
+    } else if constexpr (Bits == 6) {
+      const __m256i two_bits = _mm256_set1_epi8(0x03);
+      for (int row = 0; row < Block / 8; ++row) {  // the low nibbles, then each code's top two bits (c >> 4)
+        __m256i lo[H], hi[H], lo_top[H], hi_top[H];
+        for (int h = 0; h < H; ++h) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + at + 64 * row + 32 * (half + h)));
+          const __m256i top = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(base + at + top_bits_at(Block) + 64 * (row / 2) + 32 * (half + h)));
+          const __m256i pairs = row % 2 ? _mm256_srli_epi16(top, 4) : top;  // this row's pairs in bits 0..3
+          lo[h] = _mm256_and_si256(v, low_nibble);
+          hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibble);
+          lo_top[h] = _mm256_and_si256(pairs, two_bits);
+          hi_top[h] = _mm256_and_si256(_mm256_srli_epi16(pairs, 2), two_bits);
+        }
+        step(2 * row, low, lo);
+        step(2 * row, high, lo_top);
+        step(2 * row + 1, low, hi);
+        step(2 * row + 1, high, hi_top);
       }
     } else {
       for (int row = 0; row < Block / 4; ++row) {  // code c = 16 (c >> 4) + (c & 15): each nibble on its own
@@ -241,20 +261,26 @@ struct Avx2 {
   static void with_format(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y,
                           int64_t ys) {
     if (w.bits == 4)
-      w.has_offset || w.centre ? groups<Block, M, Two, true, true>(w, g_lo, g_hi, rows, y, ys)
-                   : groups<Block, M, Two, true, false>(w, g_lo, g_hi, rows, y, ys);
+      with_offset<Block, M, Two, 4>(w, g_lo, g_hi, rows, y, ys);
+    else if (w.bits == 6)
+      with_offset<Block, M, Two, 6>(w, g_lo, g_hi, rows, y, ys);
     else
-      w.has_offset || w.centre ? groups<Block, M, Two, false, true>(w, g_lo, g_hi, rows, y, ys)
-                   : groups<Block, M, Two, false, false>(w, g_lo, g_hi, rows, y, ys);
+      with_offset<Block, M, Two, 8>(w, g_lo, g_hi, rows, y, ys);
   }
-  template <int Block, int M, bool Two, bool FourBit, bool HasOffset>
+  template <int Block, int M, bool Two, int Bits>
+  static void with_offset(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y,
+                          int64_t ys) {
+    w.has_offset || w.centre ? groups<Block, M, Two, Bits, true>(w, g_lo, g_hi, rows, y, ys)
+                             : groups<Block, M, Two, Bits, false>(w, g_lo, g_hi, rows, y, ys);
+  }
+  template <int Block, int M, bool Two, int Bits, bool HasOffset>
   static void groups(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y, int64_t ys) {
     for (int64_t g = g_lo; g < g_hi; ++g) {
-      if constexpr (M == 1 && FourBit) {
-        avx2::tile<Block, 1, 2, Two, FourBit, HasOffset>(w, g, 0, rows, y, ys);
+      if constexpr (M == 1 && Bits == 4) {
+        avx2::tile<Block, 1, 2, Two, Bits, HasOffset>(w, g, 0, rows, y, ys);
       } else {
-        avx2::tile<Block, M, 1, Two, FourBit, HasOffset>(w, g, 0, rows, y, ys);
-        avx2::tile<Block, M, 1, Two, FourBit, HasOffset>(w, g, 1, rows, y, ys);
+        avx2::tile<Block, M, 1, Two, Bits, HasOffset>(w, g, 0, rows, y, ys);
+        avx2::tile<Block, M, 1, Two, Bits, HasOffset>(w, g, 1, rows, y, ys);
       }
     }
   }

@@ -47,13 +47,19 @@ inline size_t chunk_bytes(const KvflowPackedWeight& w) { return code_bytes(w) + 
 
 inline bool valid_block(int32_t block) { return block == kBlock || block == kSmallBlock; }
 
+inline bool valid_bits(int32_t bits) { return bits == 4 || bits == 6 || bits == 8; }
+
+// Where a 6-bit block's rows of top bits start: after its block / 8 rows of low nibbles.
+inline size_t top_bits_at(int block) { return static_cast<size_t>(8 * block); }
+
 // The code of input `input` of column `column` in one block's bytes (the layout in kvflow_cpu.h).
-inline int code_at(const uint8_t* block, int bits, int column, int input) {
-  if (bits == 4) {
-    const uint8_t byte = block[64 * (input / 8) + 4 * column + input % 4];
-    return (input % 8) < 4 ? (byte & 0x0f) : (byte >> 4);
-  }
-  return block[64 * (input / 4) + 4 * column + input % 4];
+inline int code_at(const uint8_t* block, int bits, int column, int input, int block_inputs) {
+  if (bits == 8) return block[64 * (input / 4) + 4 * column + input % 4];
+  const uint8_t byte = block[64 * (input / 8) + 4 * column + input % 4];
+  const int low = (input % 8) < 4 ? (byte & 0x0f) : (byte >> 4);
+  if (bits == 4) return low;
+  const uint8_t top = block[top_bits_at(block_inputs) + 64 * (input / 16) + 4 * column + input % 4];
+  return low | (((top >> (2 * ((input % 16) / 4))) & 3) << 4);
 }
 
 inline float block_amax(const float* xb, int block) {  // the block's largest |x|

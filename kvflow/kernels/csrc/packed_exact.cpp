@@ -31,7 +31,7 @@ double exact_column(const KvflowPackedWeight& w, int64_t j, const float* x) {
     const float* xb = x + b * w.block;
     double dot = 0.0, sum = 0.0;
     for (int k = 0; k < w.block; ++k) {
-      dot += static_cast<double>(code_at(at, w.bits, c, k)) * xb[k];
+      dot += static_cast<double>(code_at(at, w.bits, c, k, w.block)) * xb[k];
       sum += xb[k];
     }
     total += scale * dot + offset * sum;
@@ -102,7 +102,7 @@ extern "C" void kvflow_packed_rows(const KvflowPackedWeight* w, const int64_t* i
       const float scale = static_cast<float>(scale16);
       const float offset = w->has_offset ? static_cast<float>(offset16) : scale * -static_cast<float>(w->centre);
       for (int k = 0; k < w->block; ++k)  // scale * q is exact: one rounding
-        row[b * w->block + k] = static_cast<float>(code_at(at, w->bits, c, k)) * scale + offset;
+        row[b * w->block + k] = static_cast<float>(code_at(at, w->bits, c, k, w->block)) * scale + offset;
     }
   }
 }

@@ -1,4 +1,4 @@
-// Rows times packed 4- or 8-bit weights, with integer dot products: AVX512-VNNI (and AMX int8 tiles for
+// Rows times packed 4-, 6- or 8-bit weights, with integer dot products: AVX512-VNNI (and AMX int8 tiles for
 // several rows), AVX2, ARM NEON dotprod, or plain C++, whichever this tier's library was built for.
 //
 // Decode reads every weight once per step and does two flops with it, so its speed is how cheaply the
@@ -73,7 +73,7 @@ extern "C" int32_t kvflow_packed_matmul_path(void) {
 
 extern "C" int32_t kvflow_packed_matmul(const KvflowPackedWeight* w, const float* x, int64_t x_stride, int32_t m,
                                         float* y, int64_t y_stride, int32_t input_bits, int32_t num_threads) {
-  if (!kvflow::packed::valid_block(w->block) || w->k % w->block || (w->bits != 4 && w->bits != 8) || m <= 0 ||
+  if (!kvflow::packed::valid_block(w->block) || w->k % w->block || !kvflow::packed::valid_bits(w->bits) || m <= 0 ||
       (input_bits != 8 && input_bits != 16))
     return -1;
   const int block = w->block;
@@ -131,7 +131,7 @@ extern "C" int32_t kvflow_packed_matmul_many(const KvflowPackedWeight* w, int32_
   const int block = w[0].block;
   for (int i = 0; i < count; ++i)
     if (w[i].k != k || w[i].block != block || !kvflow::packed::valid_block(block) || k % block ||
-        (w[i].bits != 4 && w[i].bits != 8) || w[i].n > y_stride)
+        !kvflow::packed::valid_bits(w[i].bits) || w[i].n > y_stride)
       return -1;
   if (input_bits != 8 && input_bits != 16) return -1;
   const bool eight = input_bits == 8;

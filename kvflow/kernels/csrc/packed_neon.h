@@ -1,7 +1,7 @@
 // The packed matmul on ARM NEON with the dotprod extension: each 16-byte quarter of a code row (4 columns
 // x 4 inputs) times four input digits through vdotq_s32 (signed bytes, four products summed per 32-bit
-// lane), as llama.cpp's ARM dot products do. 4-bit codes (0..15) are signed bytes as they are; 8-bit
-// codes go as their two nibbles (c = 16 h + l), recombined in 32 bits. Every sum is exact and the float
+// lane), as llama.cpp's ARM dot products do. 4- and 6-bit codes (0..15, 0..63) are signed bytes as they
+// are; 8-bit codes go as their two nibbles (c = 16 h + l), recombined in 32 bits. Every sum is exact and the float
 // epilogue is the other tiers', lane for lane: the result is bitwise the same.
 #pragma once
 
@@ -31,8 +31,8 @@ template <int M>
 void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, int64_t y_stride) {
   const int64_t nb = w.k / w.block;
   const size_t chunk = chunk_bytes(w), codes_end = code_bytes(w);
-  const bool has_offset = w.has_offset != 0, any_offset = has_offset || w.centre != 0, four_bit = w.bits == 4,
-             two = rows.lo != nullptr;
+  const bool has_offset = w.has_offset != 0, any_offset = has_offset || w.centre != 0, eight_bit = w.bits == 8,
+             six_bit = w.bits == 6, two = rows.lo != nullptr;
   const float32x4_t minus_centre = vdupq_n_f32(-static_cast<float>(w.centre));
   const uint8_t* base = w.data + static_cast<size_t>(g) * nb * chunk;
   const uint8x16_t low_nibble = vdupq_n_u8(0x0f);
@@ -65,15 +65,23 @@ void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, in
     };
     const std::integral_constant<int, 0> plain;
     const std::integral_constant<int, 4> high;
-    const int rows_per_block = four_bit ? w.block / 8 : w.block / 4;
+    const int rows_per_block = eight_bit ? w.block / 4 : w.block / 8;
+    const uint8x16_t top_pair = vdupq_n_u8(0x30);
     for (int row = 0; row < rows_per_block; ++row) {
       int8x16_t lo[4], hi[4];
       for (int q = 0; q < 4; ++q) {
-        const uint8x16_t v = vld1q_u8(block + 64 * row + 16 * q);
-        lo[q] = vreinterpretq_s8_u8(vandq_u8(v, low_nibble));
-        hi[q] = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));
+        uint8x16_t v_lo = vandq_u8(vld1q_u8(block + 64 * row + 16 * q), low_nibble);
+        uint8x16_t v_hi = vshrq_n_u8(vld1q_u8(block + 64 * row + 16 * q), 4);
+        if (six_bit) {  // each nibble's top two bits, from row row / 2 of them, above it
+          const uint8x16_t top = vld1q_u8(block + top_bits_at(w.block) + 64 * (row / 2) + 16 * q);
+          const uint8x16_t pairs = row % 2 ? vshrq_n_u8(top, 4) : top;
+          v_lo = vorrq_u8(v_lo, vandq_u8(vshlq_n_u8(pairs, 4), top_pair));
+          v_hi = vorrq_u8(v_hi, vandq_u8(vshlq_n_u8(pairs, 2), top_pair));
+        }
+        lo[q] = vreinterpretq_s8_u8(v_lo);
+        hi[q] = vreinterpretq_s8_u8(v_hi);
       }
-      if (four_bit) {  // low nibbles are inputs 8 row .. +3, high ones +4 .. +7
+      if (!eight_bit) {  // low nibbles are inputs 8 row .. +3, high ones +4 .. +7
         step(2 * row, lo, plain);
         step(2 * row + 1, hi, plain);
       } else {  // code c = 16 (c >> 4) + (c & 15)

@@ -49,6 +49,20 @@ void quantize_row(const float* x, int64_t k, int8_t* hi, int8_t* lo, float* scal
   }
 }
 
+// A 6-bit block's codes of its 4-bit row `row` as two vectors of whole codes (inputs 8 row .. +3, then
+// +4 .. +7): each nibble with its top two bits (from row row / 2 of the top bits) put above it. The
+// 16-bit shifts carry a neighbour byte's bits along; the masks drop them.
+template <int Block>
+inline void six_bit_codes(const uint8_t* block, int row, __m512i* first, __m512i* second) {
+  const __m512i low_nibble = _mm512_set1_epi8(0x0f), top_pair = _mm512_set1_epi8(0x30);
+  const __m512i v = _mm512_loadu_si512(block + 64 * row);
+  const __m512i top = _mm512_loadu_si512(block + top_bits_at(Block) + 64 * (row / 2));
+  const __m512i top_first = row % 2 ? top : _mm512_slli_epi16(top, 4);  // its pair to bits 4, 5
+  const __m512i top_second = row % 2 ? _mm512_srli_epi16(top, 2) : _mm512_slli_epi16(top, 2);
+  *first = _mm512_or_si512(_mm512_and_si512(v, low_nibble), _mm512_and_si512(top_first, top_pair));
+  *second = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibble), _mm512_and_si512(top_second, top_pair));
+}
+
 inline __m512i broadcast4(const int8_t* p) {  // four input digits, in every 32-bit lane
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -109,6 +123,13 @@ void tile_group(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float*
         step(2 * row, _mm512_and_si512(v, low_nibble));
         step(2 * row + 1, _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibble));
       }
+    } else if (w.bits == 6) {
+      for (int row = 0; row < Block / 8; ++row) {
+        __m512i first, second;
+        six_bit_codes<Block>(block, row, &first, &second);
+        step(2 * row, first);
+        step(2 * row + 1, second);
+      }
     } else {
       for (int row = 0; row < Block / 4; ++row) step(row, _mm512_loadu_si512(block + 64 * row));
     }
@@ -118,7 +139,8 @@ void tile_group(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float*
     const __m512 offset =
         has_offset ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32))) : _mm512_mul_ps(scale, minus_centre);
     for (int r = 0; r < M; ++r) {
-      // 256 h + l: below 2^24 in magnitude for 4-bit codes, so exact in float32.
+      // 256 h + l: below 2^24 in magnitude for 4-bit codes, so exact in float32 (wider codes round here,
+      // the same way on every tier).
       const __m512i dot = Two ? _mm512_add_epi32(_mm512_slli_epi32(sum_hi[r], 8), sum_lo[r]) : sum_hi[r];
       const __m512 col_scale = _mm512_mul_ps(scale, _mm512_set1_ps(rows.scale[r * rows.blocks + b]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), col_scale, acc[r]);

@@ -1,5 +1,6 @@
-"""4- and 8-bit group-wise linear on kvflow's own kernel (kernels/packed_matmul): the GGUF types of
-packing.PACKED_BITS (the 5- and 6-bit ones and the IQ4 tables as 8-bit codes), in blocks of 32 or 16 inputs.
+"""4-, 6- and 8-bit group-wise linear on kvflow's own kernel (kernels/packed_matmul): the GGUF types of
+packing.PACKED_BITS (Q6_K and the 5-bit ones with free offsets as 6-bit codes, Q5_0 and the IQ4 tables as
+8-bit ones), in blocks of 32 or 16 inputs.
 
 Where the kernels build (a C++ compiler; every CPU tier), it replaces Int4Linear and Int8BlockLinear: the codes
 and float16 scales are stored as the GGUF has them, so the weights it multiplies by are the file's own

@@ -38,6 +38,10 @@ _SUPER_BLOCK_BYTES = {"Q4_K": 4 + 12 + QK_K // 2, "Q5_K": 4 + 12 + QK_K // 8 + Q
                       "Q2_K": QK_K // 16 + QK_K // 4 + 4, "IQ4_XS": 4 + QK_K // 64 + QK_K // 2}
 PACKED_BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 8, "Q5_1": 8, "Q8_0": 8, "IQ4_NL": 8, "Q4_K": 4, "Q5_K": 8,
                "Q6_K": 8, "Q3_K": 4, "Q2_K": 4, "IQ4_XS": 8}
+# The packed kernel's code width per type, where it differs from the codes above: 6 bits hold Q6_K's codes
+# and the 5-bit ones with free offsets (Q5_1, Q5_K), 7 bits a weight with their scales, not 9 as 8-bit
+# codes. Q5_0 stays at 8: its codes are centred on 128 (Q8_0's centring), so that it fuses with Q8_0.
+LAYOUT_BITS = {**PACKED_BITS, "Q5_1": 6, "Q5_K": 6, "Q6_K": 6}
 # The symmetric types' centre c: w = scale * (q - c), so offset = -c * scale is not stored (the packed
 # kernel derives it, exactly). The others (Q4_1, Q5_1, Q4_K, Q5_K, Q2_K) have free offsets (mins).
 CENTRES = {"Q8_0": 128, "Q5_0": 128, "IQ4_NL": 128, "IQ4_XS": 128, "Q4_0": 8, "Q6_K": 32, "Q3_K": 4}
@@ -197,10 +201,10 @@ def _k_scales_and_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def packed_form(qtypes: list[str]) -> tuple[int, int, int]:
-    """(bits, group, centre) of one packed layer fused from tensors of these types: 8-bit codes if any part
-    has them, blocks of 16 if any part's scales cover 16, and the parts' common centre (or 0)."""
+    """(bits, group, centre) of one packed layer fused from tensors of these types: the widest part's code
+    width (LAYOUT_BITS), blocks of 16 if any part's scales cover 16, and the parts' common centre (or 0)."""
     centres = {CENTRES.get(q, 0) for q in qtypes}
-    return (max(PACKED_BITS[q] for q in qtypes), 16 if any(q in GROUP_16_TYPES for q in qtypes) else 32,
+    return (max(LAYOUT_BITS[q] for q in qtypes), 16 if any(q in GROUP_16_TYPES for q in qtypes) else 32,
             centres.pop() if len(centres) == 1 else 0)
 
 

@@ -56,9 +56,11 @@ std::vector<uint8_t> pack(const std::vector<uint8_t>& q, const std::vector<uint1
         if (col >= n) continue;
         for (int i = 0; i < block; ++i) {
           const uint8_t c = q[static_cast<size_t>(col) * k + b * block + i];
-          if (bits == 4) {
+          if (bits != 8) {  // the low nibble; a 6-bit code's top two bits in the rows after the nibbles
             uint8_t& byte = at[64 * (i / 8) + 4 * j + i % 4];
-            byte |= (i % 8) < 4 ? c : static_cast<uint8_t>(c << 4);
+            byte |= (i % 8) < 4 ? (c & 15) : static_cast<uint8_t>((c & 15) << 4);
+            if (bits == 6)
+              at[8 * block + 64 * (i / 16) + 4 * j + i % 4] |= static_cast<uint8_t>((c >> 4) << (2 * ((i % 16) / 4)));
           } else {
             at[64 * (i / 4) + 4 * j + i % 4] = c;
           }
@@ -127,12 +129,12 @@ void check_packed_matmul() {
   KvflowTuning tuning{16, 8, 8};
   kvflow_set_tuning(&tuning);
   for (int block : {32, 16})
-    for (int bits : {4, 8})
+    for (int bits : {4, 6, 8})
       for (bool has_offset : {true, false})
         for (int n : {16, 40, 200}) {
           const int k = 96;
           std::vector<uint8_t> q(static_cast<size_t>(n) * k);
-          for (auto& c : q) c = static_cast<uint8_t>(rng() % (bits == 4 ? 16 : 256));
+          for (auto& c : q) c = static_cast<uint8_t>(rng() % (1u << bits));
           std::vector<uint16_t> scale(static_cast<size_t>(n) * k / block), offset(scale.size());
           for (size_t i = 0; i < scale.size(); ++i) {
             scale[i] = half_bits(uniform(0.001f, 0.05f));
@@ -141,10 +143,10 @@ void check_packed_matmul() {
           const std::vector<uint8_t> data = pack(q, scale, offset, n, k, bits, has_offset, block);
           check_weight({data.data(), n, k, bits, has_offset ? 1 : 0, block, 0}, q, scale, offset);
           if (!has_offset)  // the same codes as symmetric ones: offsets -centre * scale, derived, not stored
-            check_weight({data.data(), n, k, bits, 0, block, bits == 4 ? 8 : 128}, q, scale, offset);
+            check_weight({data.data(), n, k, bits, 0, block, 1 << (bits - 1)}, q, scale, offset);
         }
-  std::printf("ok packed matmul (path %d), blocks of 32 and 16, stored and derived offsets: bitwise equal to "
-              "the reference\n", kvflow_packed_matmul_path());
+  std::printf("ok packed matmul (path %d), 4-, 6- and 8-bit codes, blocks of 32 and 16, stored and derived offsets: "
+              "bitwise equal to the reference\n", kvflow_packed_matmul_path());
 }
 
 template <typename T>

@@ -13,6 +13,7 @@ from kvflow.kernels import packed_matmul
 from kvflow.layers.quant import concat_rows, from_gguf, gguf_linear, permute_rows, unpermute_rope_index
 from kvflow.layers.quant.packing import (
     CENTRES,
+    LAYOUT_BITS,
     PACKED_BITS,
     as_8_bit,
     packed_form,
@@ -40,7 +41,8 @@ def random_tensor(qtype: str, rows: int, k: int, seed: int) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
-def python_path(parts, orders) -> packed_matmul.PackedWeight:
+def python_path(parts, orders, bits: int | None = None) -> packed_matmul.PackedWeight:
+    """packed_matmul.pack of packing.from_gguf's codes, at the packer's code width unless `bits` says."""
     codes = []
     for (raw, qtype), order in zip(parts, orders):
         bq = round_scales_to_f16(from_gguf(raw, qtype))
@@ -49,7 +51,8 @@ def python_path(parts, orders) -> packed_matmul.PackedWeight:
         codes = [as_8_bit(bq) for bq in codes]
     smallest = min(bq.group_size for bq in codes)
     bq = concat_rows([with_group(c, smallest) for c in codes])
-    return packed_matmul.pack(bq.q, bq.scale, bq.offset, bq.group_size, bq.bits, bq.centre)
+    bits = bits or packed_form([q for _, q in parts])[0]
+    return packed_matmul.pack(bq.q, bq.scale, bq.offset, bq.group_size, bits, bq.centre)
 
 
 def cpp_path(parts, orders) -> packed_matmul.PackedWeight:
@@ -89,6 +92,31 @@ def test_fused_parts_of_mixed_widths_groups_and_row_orders():
     assert torch.equal(layer.packed.data, want.data)
 
 
+@pytest.mark.parametrize("qtype", [q for q in PACKED_BITS if LAYOUT_BITS[q] == 6])
+def test_six_bit_codes_multiply_as_the_same_codes_in_eight_bits(qtype):
+    """Q6_K, Q5_K and Q5_1 are kept at 6 bits a code (7 a weight with scales, not 9): the same integer
+    sums, so every output is bitwise what the 8-bit layout gives, in fewer bytes."""
+    parts = [(random_tensor(qtype, 40, 512, 11), qtype)]
+    six, eight = cpp_path(parts, [None]), python_path(parts, [None], bits=8)
+    assert six.bits == 6 and six.data.numel() < eight.data.numel() * 0.8
+    assert torch.equal(packed_matmul.dequantize(six), packed_matmul.dequantize(eight))
+    x = torch.randn(9, 512)
+    for input_bits in (8, 16):
+        for m in (1, 2, 9):  # one row, a few, and past a tile
+            assert torch.equal(packed_matmul.matmul(x[:m], six, input_bits=input_bits),
+                               packed_matmul.matmul(x[:m], eight, input_bits=input_bits))
+
+
+def test_a_q4_k_m_attention_of_four_and_six_bit_parts_packs_at_six_bits():
+    """q, k in Q4_K and v in Q6_K (a Q4_K_M file's attention in its Q6_K layers): 6-bit codes in blocks of 16."""
+    parts = [(random_tensor("Q4_K", 64, 512, 12), "Q4_K"), (random_tensor("Q4_K", 32, 512, 13), "Q4_K"),
+             (random_tensor("Q6_K", 32, 512, 14), "Q6_K")]
+    orders = [unpermute_rope_index(64, 4), unpermute_rope_index(32, 2), None]
+    want, got = python_path(parts, orders), cpp_path(parts, orders)
+    assert (got.bits, got.group, got.has_offset) == (6, 16, True)
+    assert torch.equal(got.data, want.data)
+
+
 def test_a_scale_beyond_float16_and_a_size_that_disagrees_are_refused():
     raw = random_tensor("Q8_0", 16, 64, 5)
     raw[0, 0:2] = np.array([60000.0], dtype=np.float16).view(np.uint8)  # offset -128 d overflows float16
@@ -100,3 +128,6 @@ def test_a_scale_beyond_float16_and_a_size_that_disagrees_are_refused():
     eight = random_tensor("Q8_0", 16, 64, 7)
     assert packed_matmul.pack_gguf([(eight, gguf.GGMLQuantizationType.Q8_0.value, None)], 4, 32) is None
     assert packed_matmul.pack_gguf([(eight, gguf.GGMLQuantizationType.Q8_0.value, None)], 8, 32, centre=8) is None
+    six = random_tensor("Q6_K", 16, 256, 10)  # 6-bit codes into 4 bits; 8-bit ones into 6
+    assert packed_matmul.pack_gguf([(six, gguf.GGMLQuantizationType.Q6_K.value, None)], 4, 16) is None
+    assert packed_matmul.pack_gguf([(eight, gguf.GGMLQuantizationType.Q8_0.value, None)], 6, 32) is None
