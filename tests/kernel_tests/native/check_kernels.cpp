@@ -4,9 +4,10 @@
 // compiles and runs it. Prints one line per check and exits non-zero on the first failure.
 //
 //   packed matmul   bitwise equal to a reference of its arithmetic written here (input digits, exact
-//                   integer block sums, the float epilogue), 4- and 8-bit codes, 16- and 8-bit inputs, 1 to 9
-//                   rows, 1 and 2 threads
-//   paged attention every row against a double-precision softmax, float32 and float16 caches
+//                   integer block sums, the float epilogue), 4-, 6- and 8-bit codes, 16- and 8-bit inputs, 1 to
+//                   9 rows, 1 and 2 threads
+//   paged attention every row against a double-precision softmax, float32 and float16 caches, blocks
+//                   token-major and head-major
 //   row ops         rms_scale and silu_mul against plain loops
 #include <cmath>
 #include <cstdint>
@@ -149,8 +150,10 @@ void check_packed_matmul() {
               "bitwise equal to the reference\n", kvflow_packed_matmul_path());
 }
 
+// A cache in either block layout (kvflow_cpu.h): token-major [block, position, kv head, d] or head-major
+// [block, kv head, position, d]. The reference reads its own token-major copy.
 template <typename T>
-void check_attention(int cache_dtype, const char* name) {
+void check_attention(int cache_dtype, const char* name, bool head_major) {
   const int hkv = 2, group = 3, hq = hkv * group, d = 64, block = 16;
   const int seqs = 3, context[seqs] = {37, 300, 5}, qlen[seqs] = {1, 7, 5};  // decode, chunk after context, prompt
   int total_blocks = 0;
@@ -160,13 +163,19 @@ void check_attention(int cache_dtype, const char* name) {
     for (int i = 0; i < width; ++i) tables.push_back(i < (context[b] + block - 1) / block ? total_blocks++ : 0);
   std::vector<T> k_cache(static_cast<size_t>(total_blocks) * block * hkv * d), v_cache(k_cache.size());
   std::vector<float> k_ref(k_cache.size()), v_ref(k_cache.size());
-  for (size_t i = 0; i < k_cache.size(); ++i) {
-    const float kv = uniform(-1.f, 1.f), vv = uniform(-1.f, 1.f);
-    kvflow::narrow(kv, &k_cache[i]);
-    kvflow::narrow(vv, &v_cache[i]);
-    k_ref[i] = kvflow::widen(k_cache[i]);
-    v_ref[i] = kvflow::widen(v_cache[i]);
-  }
+  auto cache_at = [&](int64_t slot, int kv) {  // where (slot, kv head)'s row starts in the kernel's cache
+    return head_major ? ((slot / block * hkv + kv) * block + slot % block) * d : (slot * hkv + kv) * d;
+  };
+  for (int64_t slot = 0; slot < static_cast<int64_t>(total_blocks) * block; ++slot)
+    for (int kv = 0; kv < hkv; ++kv)
+      for (int i = 0; i < d; ++i) {
+        T& kc = k_cache[cache_at(slot, kv) + i];
+        T& vc = v_cache[cache_at(slot, kv) + i];
+        kvflow::narrow(uniform(-1.f, 1.f), &kc);
+        kvflow::narrow(uniform(-1.f, 1.f), &vc);
+        k_ref[(slot * hkv + kv) * d + i] = kvflow::widen(kc);
+        v_ref[(slot * hkv + kv) * d + i] = kvflow::widen(vc);
+      }
   std::vector<int32_t> query_start{0}, seq_lens;
   std::vector<int64_t> slots;
   for (int b = 0; b < seqs; ++b) {
@@ -189,6 +198,7 @@ void check_attention(int cache_dtype, const char* name) {
     }
   const float scale = 0.125f;
   KvflowAttention layer{k_cache.data(), v_cache.data(), cache_dtype, block, hq, hkv, d, scale};
+  layer.head_major = head_major ? 1 : 0;
   KvflowStep step{slots.data(), query_start.data(), seq_lens.data(), tables.data(), width, seqs, rows};
   KvflowRows in{q.data(), hq * d, k_new.data(), hkv * d, v_new.data(), hkv * d};
   std::vector<float> out(static_cast<size_t>(rows) * hq * d, NAN);
@@ -216,14 +226,16 @@ void check_attention(int cache_dtype, const char* name) {
             }
             const double got = out[(static_cast<size_t>(row) * hq + h) * d + i];
             if (!(std::fabs(got - want) <= 2e-5 + 2e-5 * std::fabs(want))) {
-              std::printf("%s row %d head %d dim %d: %.7g != %.7g\n", name, row, h, i, got, want);
+              std::printf("%s (%s-major) row %d head %d dim %d: %.7g != %.7g\n", name, head_major ? "head" : "token", row,
+                          h, i, got, want);
               fail("paged attention differs from the reference");
             }
           }
         }
       }
   }
-  std::printf("ok paged attention, %s cache: every row within 2e-5 of a double softmax\n", name);
+  std::printf("ok paged attention, %s cache, %s-major blocks: every row within 2e-5 of a double softmax\n", name,
+              head_major ? "head" : "token");
 }
 
 void check_row_ops() {
@@ -245,8 +257,10 @@ void check_row_ops() {
 
 int main() {
   check_packed_matmul();
-  check_attention<float>(0, "float32");
-  check_attention<kvflow::float16>(2, "float16");
+  for (bool head_major : {false, true}) {
+    check_attention<float>(0, "float32", head_major);
+    check_attention<kvflow::float16>(2, "float16", head_major);
+  }
   check_row_ops();
   std::printf("all kernels ok\n");
   return 0;
