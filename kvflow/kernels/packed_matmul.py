@@ -243,6 +243,15 @@ def refine_top(x: torch.Tensor, pw: PackedWeight, y: torch.Tensor, block_abs_sum
         y_stride=y.stride(0), block_abs_sum=sums.data_ptr(), input_bits=input_bits)
 
 
+def block_abs_sum(pw: PackedWeight) -> torch.Tensor:
+    """float32 [k // group]: per block of inputs, the largest sum of |w| over an output row (refine_top's
+    bound), in one threaded pass over the codes (no dequantized copy: an 8B model's head is 2 GB of floats)."""
+    out = torch.empty(pw.k // pw.group)
+    abi.native().kvflow_packed_block_abs_sum(w=ctypes.byref(pw.struct), out=out.data_ptr(),
+                                             num_threads=torch.get_num_threads())
+    return out
+
+
 def rows(pw: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
     """float32 [*ids.shape, k]: output rows `ids` of the weight, dequantized exactly (embedding lookups)."""
     flat = ids.reshape(-1).to(torch.int64).contiguous()

@@ -114,6 +114,16 @@ def test_exact_top_gives_the_exact_argmax(bits):
     assert ((y.double() - exact).abs() <= layer.error_bound(x)).all()
 
 
+@pytest.mark.parametrize("bits", [4, 6, 8])
+def test_block_abs_sum_is_the_largest_row_sum_of_each_block(bits):
+    """The weight statistic behind exact_top's bound, from the codes in C++: per block of inputs, the
+    largest sum of |w| over the output rows (here against the dequantized rows summed in double)."""
+    pw = pack(codes(bits, 300, 576, seed=4))
+    w = packed_matmul.dequantize(pw).abs().double()
+    want = w.view(300, -1, pw.group).sum(-1).amax(0).float()
+    assert torch.allclose(packed_matmul.block_abs_sum(pw), want, rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("shared_input", [True, False])
 def test_many_one_row_matmuls_in_one_call_are_each_a_matmul(shared_input):
     """matmul_many (a decode token's experts): each row bitwise the single matmul's, with one input for

@@ -71,6 +71,10 @@ int32_t kvflow_packed_refine_top(const KvflowPackedWeight* w, const float* x, in
 // Rows ids[0..count) of w (output features), dequantized exactly as float32 into out [count, k].
 void kvflow_packed_rows(const KvflowPackedWeight* w, const int64_t* ids, int32_t count, float* out);
 
+// out[b] (k / block floats) = the largest sum of |w| over block b of an output row, each weight as
+// kvflow_packed_rows gives it (the statistic kvflow_packed_refine_top's bound needs), in one pass.
+void kvflow_packed_block_abs_sum(const KvflowPackedWeight* w, float* out, int32_t num_threads);
+
 // One GGUF tensor as rows of a packed weight: `rows` rows of row_bytes block bytes of ggml type `type`
 // (Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q2_K 10, Q3_K 11, Q4_K 12, Q5_K 13, Q6_K 14, IQ4_NL 20,
 // IQ4_XS 23); output row i is source row row_order[i] (null: row i).

@@ -1,13 +1,16 @@
-// Exact reads of a packed weight: rows dequantized exactly (embedding lookups) and the best outputs of a
-// packed matmul recomputed in double from the stored codes (an output head's greedy choice).
+// Exact reads of a packed weight: rows dequantized exactly (embedding lookups), the best outputs of a
+// packed matmul recomputed in double from the stored codes (an output head's greedy choice), and the
+// weight statistic that decides which outputs those are.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "kvflow_cpu.h"
 #include "packed_common.h"
 #include "row_ops.h"
 #include "simd.h"
+#include "threads.h"
 
 namespace {
 
@@ -104,5 +107,43 @@ extern "C" void kvflow_packed_rows(const KvflowPackedWeight* w, const int64_t* i
       for (int k = 0; k < w->block; ++k)  // scale * q is exact: one rounding
         row[b * w->block + k] = static_cast<float>(code_at(at, w->bits, c, k, w->block)) * scale + offset;
     }
+  }
+}
+
+extern "C" void kvflow_packed_block_abs_sum(const KvflowPackedWeight* w, float* out, int32_t num_threads) {
+  const int64_t nb = w->k / w->block, groups = (w->n + 15) / 16;
+  const size_t chunk = chunk_bytes(*w), code_bytes = kvflow::packed::code_bytes(*w);
+  const int team = num_threads > 0 ? num_threads : 1;
+  std::vector<float> largest(static_cast<size_t>(team) * nb, 0.f);  // per thread, then merged
+  kvflow::parallel(team, [&](kvflow::Team& workers) {
+    float* mine = largest.data() + static_cast<size_t>(workers.thread()) * nb;
+    const int64_t g_lo = groups * workers.thread() / workers.threads();
+    const int64_t g_hi = groups * (workers.thread() + 1) / workers.threads();
+    for (int64_t g = g_lo; g < g_hi; ++g) {
+      const int columns = w->n - g * 16 < 16 ? static_cast<int>(w->n - g * 16) : 16;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* at = w->data + (static_cast<size_t>(g) * nb + b) * chunk;
+        for (int c = 0; c < columns; ++c) {
+          kvflow::float16 scale16, offset16 = 0;
+          std::memcpy(&scale16, at + code_bytes + 2 * c, 2);
+          if (w->has_offset) std::memcpy(&offset16, at + code_bytes + 32 + 2 * c, 2);
+          const float scale = static_cast<float>(scale16);
+          const float offset = w->has_offset ? static_cast<float>(offset16) : scale * -static_cast<float>(w->centre);
+          double total = 0.0;  // each weight as kvflow_packed_rows gives it
+          for (int i = 0; i < w->block; ++i)
+            total += std::fabs(static_cast<float>(code_at(at, w->bits, c, i, w->block)) * scale + offset);
+          const float sum = static_cast<float>(total);
+          mine[b] = sum > mine[b] ? sum : mine[b];
+        }
+      }
+    }
+  });
+  for (int64_t b = 0; b < nb; ++b) {
+    float m = 0.f;
+    for (int t = 0; t < team; ++t) {
+      const float v = largest[static_cast<size_t>(t) * nb + b];
+      m = v > m ? v : m;
+    }
+    out[b] = m;
   }
 }

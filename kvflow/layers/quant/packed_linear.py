@@ -110,12 +110,7 @@ class PackedLinear(QuantLinear):
         """Per block of inputs, the largest sum of |w| over an output row (error_bound's one weight statistic;
         a pass over every weight, so done once, at load for the output projection)."""
         if self._block_abs_sum is None:
-            sums = []
-            for start in range(0, self.out_features, ROWS_PER_TILE):  # bounded temporaries
-                rows = torch.arange(start, min(start + ROWS_PER_TILE, self.out_features))
-                w = packed_matmul.rows(self.packed, rows).abs()
-                sums.append(w.view(len(rows), -1, self.packed.group).sum(-1).amax(0))
-            self._block_abs_sum = torch.stack(sums).amax(0)  # [blocks]
+            self._block_abs_sum = packed_matmul.block_abs_sum(self.packed)  # [blocks]
 
 
 @torch.library.custom_op("kvflow::packed_matmul", mutates_args=())
