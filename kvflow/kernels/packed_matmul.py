@@ -36,18 +36,23 @@ class PackedWeight:
     group: int = GROUP  # inputs per block
     centre: int = 0  # no stored offsets: offset = -centre * scale (symmetric codes), or none where 0
     on_huge_pages: bool = False  # already in a huge-page buffer of its own (move_to_huge_pages skips it)
+    # Q4_K / Q5_K kept with their own scales (csrc/kvflow_cpu.h): uint8 [groups, k // 256 * 64], d and dmin
+    # per 256 inputs; each block's bytes then hold sc and m bytes instead of float16 scales and offsets.
+    super_scales: torch.Tensor | None = field(default=None, repr=False)
     struct: abi.KvflowPackedWeight = field(init=False, repr=False)  # what the C++ kernels read
 
     def __post_init__(self) -> None:
-        self.struct = abi.KvflowPackedWeight(data=self.data.data_ptr(), n=self.n, k=self.k, bits=self.bits,
-                                             has_offset=int(self.has_offset), block=self.group, centre=self.centre)
+        self.struct = abi.KvflowPackedWeight(
+            data=self.data.data_ptr(), n=self.n, k=self.k, bits=self.bits, has_offset=int(self.has_offset),
+            block=self.group, centre=self.centre,
+            super_scales=None if self.super_scales is None else self.super_scales.data_ptr())
 
     @property
     def code_bytes(self) -> int:
         return self.group * COLUMNS * self.bits // 8
 
     def nbytes(self) -> int:
-        return self.data.numel()
+        return self.data.numel() + (0 if self.super_scales is None else self.super_scales.numel())
 
 
 def move_to_huge_pages(weights: list[PackedWeight]) -> None:
@@ -118,11 +123,17 @@ def split_rows(pw: PackedWeight, rows: int) -> list[PackedWeight] | None:
     if rows % COLUMNS or pw.n % rows:
         return None
     each = rows // COLUMNS
+    supers = pw.super_scales
     return [PackedWeight(pw.data[i * each : (i + 1) * each], rows, pw.k, pw.bits, pw.has_offset, pw.group, pw.centre,
-                         on_huge_pages=pw.on_huge_pages) for i in range(pw.n // rows)]
+                         on_huge_pages=pw.on_huge_pages,
+                         super_scales=None if supers is None else supers[i * each : (i + 1) * each])
+            for i in range(pw.n // rows)]
 
 
 SMALL_WEIGHTS = HugePageArena()  # where pack_gguf puts weights under a huge page each, in the order packed
+# GGUF Q4_K and Q5_K (ggml type ids): packed with their own scales (PackedWeight.super_scales) by pack_gguf.
+OWN_SCALE_TYPES = (12, 13)
+SUPER_INPUTS = 256  # inputs per d and dmin of those types
 
 
 def start_arena() -> None:
@@ -147,15 +158,19 @@ def pack_gguf(parts: list[tuple[np.ndarray, int, torch.Tensor | None]], bits: in
                            row_order=None if order is None else order.data_ptr())
         for raw, (_, qtype, _), order in zip(arrays, parts, orders)])
     n, k = sum(raw.shape[0] for raw in arrays), _inputs(arrays[0], parts[0][1])
-    shape = (-(-n // COLUMNS), k // group, group * COLUMNS * bits // 8 + (32 if centre else 64))
+    own_scales = group == GROUP and not centre and k % SUPER_INPUTS == 0 and all(
+        qtype in OWN_SCALE_TYPES for _, qtype, _ in parts)
+    shape = (-(-n // COLUMNS), k // group, group * COLUMNS * bits // 8 + (32 if centre or own_scales else 64))
     nbytes = shape[0] * shape[1] * shape[2]
     # Written once, in place, on huge pages (a small weight on pages it shares): no copy onto them later.
     small = SMALL_WEIGHTS.zeros(nbytes)
     data = (huge_page_zeros(nbytes) if small is None else small).view(shape)
+    supers = torch.zeros(shape[0], k // SUPER_INPUTS * 64, dtype=torch.uint8) if own_scales else None
     rc = abi.native().kvflow_pack_gguf(parts=structs, count=len(parts), k=k, bits=bits, block=group, centre=centre,
-                                       out=data.data_ptr(), num_threads=torch.get_num_threads())
+                                       out=data.data_ptr(), super_out=None if supers is None else supers.data_ptr(),
+                                       num_threads=torch.get_num_threads())
     pw = PackedWeight(data, n, k, bits, not centre, group, centre,
-                      on_huge_pages=small is not None or nbytes >= MIN_BYTES)
+                      on_huge_pages=small is not None or nbytes >= MIN_BYTES, super_scales=supers)
     return pw if rc == 0 else None
 
 
@@ -192,6 +207,16 @@ def codes(pw: PackedWeight, rows: torch.Tensor | None = None) -> tuple[torch.Ten
         raw = chunk[..., start : start + 32].contiguous().view(torch.float16)  # [R, blocks, 16]
         return raw[picked, :, col].float()
 
+    if pw.super_scales is not None:  # d * sc and -(dmin * m), each exact in float32
+        def sub(start: int) -> torch.Tensor:  # [R, blocks] of the column's sc (or m) bytes
+            return chunk[..., start : start + COLUMNS][picked, :, col].float()
+
+        halves = pw.super_scales[rows // COLUMNS].view(len(rows), -1, 2, COLUMNS, 2)  # [R, supers, d|dmin, col, 2]
+        pairs = halves[picked, :, :, col].contiguous().view(torch.float16).float()  # [R, supers, 2, 1]
+        per_sub = SUPER_INPUTS // pw.group
+        d = pairs[:, :, 0, 0].repeat_interleave(per_sub, dim=1)
+        dmin = pairs[:, :, 1, 0].repeat_interleave(per_sub, dim=1)
+        return q, d * sub(pw.code_bytes), -(dmin * sub(pw.code_bytes + COLUMNS))
     scale = per_block(pw.code_bytes)
     offset = per_block(pw.code_bytes + 32) if pw.has_offset else -pw.centre * scale
     return q, scale, offset

@@ -192,6 +192,18 @@ void decode_block(int32_t type, const uint8_t* b, uint8_t* q, float* scale, floa
   }
 }
 
+// A Q4_K or Q5_K block's own scales, undecoded: d and dmin (float16 bits) and its 8 sub-blocks' 6-bit sc
+// and m (decode_block's scale d * sc and offset -(dmin * m)).
+void k_scales(const uint8_t* b, uint16_t* d, uint16_t* dmin, uint8_t* sc, uint8_t* m) {
+  std::memcpy(d, b, 2);
+  std::memcpy(dmin, b + 2, 2);
+  const uint8_t* sm = b + 4;
+  for (int j = 0; j < 8; ++j) {
+    sc[j] = static_cast<uint8_t>(j < 4 ? sm[j] & 63 : (sm[j + 4] & 15) | ((sm[j - 4] >> 6) << 4));
+    m[j] = static_cast<uint8_t>(j < 4 ? sm[j + 4] & 63 : (sm[j + 4] >> 4) | ((sm[j] >> 6) << 4));
+  }
+}
+
 bool to_half(float x, kvflow::float16* out) {  // nearest float16; false where it is not finite
   *out = static_cast<kvflow::float16>(x);
   return std::isfinite(static_cast<float>(*out));
@@ -200,8 +212,13 @@ bool to_half(float x, kvflow::float16* out) {  // nearest float16; false where i
 }  // namespace
 
 extern "C" int32_t kvflow_pack_gguf(const KvflowGgufPart* parts, int32_t count, int64_t k, int32_t bits, int32_t block,
-                                    int32_t centre, uint8_t* out, int32_t num_threads) {
+                                    int32_t centre, uint8_t* out, uint8_t* super_out, int32_t num_threads) {
   if (count <= 0 || !kvflow::packed::valid_bits(bits) || !kvflow::packed::valid_block(block) || k <= 0) return -1;
+  if (super_out) {  // the K-quants' own scales: every part Q4_K or Q5_K, blocks of 32
+    if (block != 32 || centre || k % kvflow::packed::kSuperInputs) return -1;
+    for (int32_t p = 0; p < count; ++p)
+      if (parts[p].type != kQ4_K && parts[p].type != kQ5_K) return -1;
+  }
   int64_t n = 0;
   for (int32_t p = 0; p < count; ++p) {
     int elements, bytes, group;
@@ -212,13 +229,18 @@ extern "C" int32_t kvflow_pack_gguf(const KvflowGgufPart* parts, int32_t count, 
     n += parts[p].rows;
   }
   const int64_t groups = (n + 15) / 16, blocks = k / block;
-  const size_t code_bytes = kvflow::packed::code_bytes(block, bits), chunk = code_bytes + (centre ? 32 : 64);
+  const size_t code_bytes = kvflow::packed::code_bytes(block, bits),
+               chunk = code_bytes + (centre || super_out ? 32 : 64);
+  const int64_t supers = k / kvflow::packed::kSuperInputs;
   std::atomic<int32_t> failed{0};
   kvflow::parallel(num_threads, [&](kvflow::Team& team) {
     // A group's 16 rows decoded side by side, then its chunks written in order, once each.
     std::vector<uint8_t> q(16 * k);
     std::vector<float> scale(k), offset(k);  // per column, k / 16 sub-blocks at most
     std::vector<uint8_t> wide(64 * 8);        // one block of 32 as 8-bit code rows, for 4- and 6-bit weights
+    // With super_out, per column: sc and m bytes per block of 32, d and dmin bits per 256 inputs.
+    std::vector<uint8_t> sub_sc(super_out ? 16 * (k / 32) : 0), sub_m(sub_sc.size());
+    std::vector<uint16_t> super_d(super_out ? 16 * supers : 0), super_dmin(super_d.size());
     int groups_of[16];
     team.for_dynamic(static_cast<int>(groups), [&](int g) {
       for (int c = 0; c < 16; ++c) {
@@ -229,6 +251,12 @@ extern "C" int32_t kvflow_pack_gguf(const KvflowGgufPart* parts, int32_t count, 
           std::memset(qc, 0, k);
           std::fill(sc, sc + k / 16, 0.f), std::fill(oc, oc + k / 16, 0.f);
           groups_of[c] = 16;
+          if (super_out) {
+            std::fill(sub_sc.begin() + c * (k / 32), sub_sc.begin() + (c + 1) * (k / 32), 0);
+            std::fill(sub_m.begin() + c * (k / 32), sub_m.begin() + (c + 1) * (k / 32), 0);
+            std::fill(super_d.begin() + c * supers, super_d.begin() + (c + 1) * supers, 0);
+            std::fill(super_dmin.begin() + c * supers, super_dmin.begin() + (c + 1) * supers, 0);
+          }
           continue;
         }
         int32_t p = 0;
@@ -241,6 +269,13 @@ extern "C" int32_t kvflow_pack_gguf(const KvflowGgufPart* parts, int32_t count, 
         const int per_block = elements / groups_of[c];
         for (int64_t e = 0; e < k / elements; ++e)
           decode_block(part.type, in + e * bytes, qc + e * elements, sc + e * per_block, oc + e * per_block);
+        if (super_out)
+          for (int64_t e = 0; e < supers; ++e) {
+            k_scales(in + e * bytes, &super_d[c * supers + e], &super_dmin[c * supers + e],
+                     &sub_sc[c * (k / 32) + 8 * e], &sub_m[c * (k / 32) + 8 * e]);
+            if (!std::isfinite(half_at(in + e * bytes)) || !std::isfinite(half_at(in + e * bytes + 2)))
+              failed.store(1, std::memory_order_relaxed);
+          }
       }
       uint8_t* at = out + static_cast<size_t>(g) * blocks * chunk;
       for (int64_t b = 0; b < blocks; ++b, at += chunk) {
@@ -263,6 +298,17 @@ extern "C" int32_t kvflow_pack_gguf(const KvflowGgufPart* parts, int32_t count, 
               top[64 * p + x] = static_cast<uint8_t>((four[0] >> 4) | ((four[64] >> 4) << 2) | ((four[128] >> 4) << 4) |
                                                      ((four[192] >> 4) << 6));
             }
+        }
+        if (super_out) {  // sc and m bytes here; d and dmin once per 256 inputs
+          for (int j = 0; j < 16; ++j) at[code_bytes + j] = sub_sc[j * (k / 32) + b], at[code_bytes + 16 + j] = sub_m[j * (k / 32) + b];
+          if (b % 8 == 0) {
+            uint8_t* d = super_out + (static_cast<size_t>(g) * supers + b / 8) * 64;
+            for (int j = 0; j < 16; ++j) {
+              std::memcpy(d + 2 * j, &super_d[j * supers + b / 8], 2);
+              std::memcpy(d + 32 + 2 * j, &super_dmin[j * supers + b / 8], 2);
+            }
+          }
+          continue;
         }
         for (int j = 0; j < 16; ++j) {
           const int64_t sub = j * (k / 16) + (groups_of[j] == 16 ? i0 >> 4 : i0 >> 5);

@@ -22,6 +22,11 @@ extern "C" {
 //   8 bits: block / 4 rows; row r holds input 4 r + t.
 // then 16 float16 scales, then (when has_offset) 16 float16 offsets. A row (or its masked nibbles) is
 // the unsigned operand of one AVX512-VNNI dot product: 16 columns x 4 inputs.
+// With super_scales (the K-quants with mins, Q4_K and Q5_K: blocks of 32, k a multiple of 256) the codes
+// are followed by 16 unsigned bytes sc and 16 bytes m instead, and super_scales holds per column group and
+// 256 inputs 16 float16 d then 16 float16 dmin (64 bytes, at (g * (k / 256) + b / 8) * 64): scale =
+// d * sc and offset = -(dmin * m), both exact in float32, as the file has them (4.625 bits a 4-bit weight,
+// not 5).
 struct KvflowPackedWeight {
   const uint8_t* data;
   int64_t n;  // output features (a multiple of 16 is stored; columns past n are zero)
@@ -31,6 +36,7 @@ struct KvflowPackedWeight {
   int32_t block;  // inputs per scale: 32 or 16; the inputs are quantized per block of the same size
   int32_t centre;  // without stored offsets: offset = -centre * scale (symmetric codes, Q8_0's 128,
                    // Q4_0's 8, Q6_K's 32...), or no offset where centre is 0
+  const uint8_t* super_scales;  // null: float16 scales (and offsets) in each block's bytes
 };
 
 // Row-count crossovers inside the kernels, set by the executor from its table (kvflow/executors/
@@ -91,8 +97,11 @@ struct KvflowGgufPart {
 // kernels/../layers/quant/packing.py's, the scales rounded to float16. Returns 0; -1 for parts it does
 // not take (a type without a packed form, codes wider than `bits`, sizes that disagree); -2 where a
 // scale or offset is not finite in float16 (out then unusable).
+// With super_out (parts all Q4_K or Q5_K, blocks of 32) the K-quants' own scales are kept (the
+// super_scales layout above: sc and m bytes in each block, d and dmin into super_out, (n + 15) / 16 *
+// (k / 256) * 64 bytes), exactly.
 int32_t kvflow_pack_gguf(const KvflowGgufPart* parts, int32_t count, int64_t k, int32_t bits, int32_t block,
-                         int32_t centre, uint8_t* out, int32_t num_threads);
+                         int32_t centre, uint8_t* out, uint8_t* super_out, int32_t num_threads);
 
 // A step's place in the paged KV cache, the same for every layer. Sequence b owns query rows
 // query_start[b] .. query_start[b + 1]; they are its last rows of seq_lens[b] positions, whose blocks are

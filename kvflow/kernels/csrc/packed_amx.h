@@ -64,8 +64,7 @@ void amx_groups(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const R
   const size_t chunk = chunk_bytes(w);
   const size_t code_bytes = packed::code_bytes(w);
   const bool widened = w.bits != 8;  // 4- and 6-bit codes go to the tiles as 8-bit rows
-  const bool has_offset = w.has_offset != 0, any_offset = has_offset || w.centre != 0;
-  const __m512 minus_centre = _mm512_set1_ps(-static_cast<float>(w.centre));
+  const bool any_offset = w.has_offset != 0 || w.centre != 0;
   thread_local std::vector<uint8_t> wide_store;  // widened codes of one group, 64-byte aligned below
   wide_store.resize(static_cast<size_t>(nb) * 512 + 64);
   uint8_t* wide = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(wide_store.data()) + 63) & ~uintptr_t{63});
@@ -95,10 +94,8 @@ void amx_groups(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const R
         _tile_dpbsud(5, 1, 2);
         _tile_stored(4, sum_hi, 64);
         _tile_stored(5, sum_lo, 64);
-        const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + code_bytes)));
-        const __m512 offset = has_offset
-                                  ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + code_bytes + 32)))
-                                  : _mm512_mul_ps(scale, minus_centre);  // exact: the stored offset's value
+        __m512 scale, offset;
+        vnni::scales_offsets(w, g, b, at + code_bytes, &scale, &offset);
         const float* row_scale = rows.scale + r0 * rows.blocks + b;
         const float* row_sum = rows.sum + r0 * rows.blocks + b;
 #pragma GCC unroll 16

@@ -105,6 +105,25 @@ inline __m256i in_register(__m256i v) {
   return v;
 }
 
+// Columns 8 half .. + 8 of block b's scales and offsets in group g (s: the block's bytes after its codes):
+// the VNNI path's values (kvflow_cpu.h), lane for lane. offset null: not wanted.
+inline void scales_offsets(const KvflowPackedWeight& w, int64_t g, int64_t b, const uint8_t* s, int half,
+                           __m256* scale, __m256* offset) {
+  auto halves = [](const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); };
+  auto bytes = [](const uint8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  };
+  if (w.super_scales) {
+    const uint8_t* d = super_at(w, g, b) + 16 * half;
+    *scale = _mm256_mul_ps(halves(d), bytes(s + 8 * half));
+    if (offset) *offset = _mm256_xor_ps(_mm256_mul_ps(halves(d + 32), bytes(s + 16 + 8 * half)), _mm256_set1_ps(-0.f));
+    return;
+  }
+  *scale = halves(s + 16 * half);
+  if (offset)  // stored, or a centred weight's -centre * scale (exact: the same value)
+    *offset = w.has_offset ? halves(s + 16 * half + 32) : _mm256_mul_ps(*scale, _mm256_set1_ps(-static_cast<float>(w.centre)));
+}
+
 inline __m256i broadcast4(const int8_t* p) {  // four input digits, in every 32-bit lane
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -194,12 +213,8 @@ void tile(const KvflowPackedWeight& w, int64_t g, int half, const Rows& rows, fl
       }
     }
     for (int h = 0; h < H; ++h) {
-      const uint8_t* s = base + at + codes_end + 16 * (half + h);
-      const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
-      __m256 offset = _mm256_setzero_ps();
-      if constexpr (has_offset)  // stored, or a centred weight's -centre * scale (exact: the same value)
-        offset = w.has_offset ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32)))
-                              : _mm256_mul_ps(scale, _mm256_set1_ps(-static_cast<float>(w.centre)));
+      __m256 scale, offset = _mm256_setzero_ps();
+      scales_offsets(w, g, b, base + at + codes_end, half + h, &scale, has_offset ? &offset : nullptr);
       for (int r = 0; r < M; ++r) {
         __m256i dot_h = _mm256_madd_epi16(s16[r][h][0][0], ones);
         if constexpr (!four_bit) dot_h = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(s16[r][h][0][1], ones), 4), dot_h);

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "kvflow_cpu.h"
+#include "simd.h"
 
 namespace kvflow::packed {
 
@@ -43,7 +44,37 @@ inline size_t code_bytes(int block, int bits) { return static_cast<size_t>(2 * b
 
 inline size_t code_bytes(const KvflowPackedWeight& w) { return code_bytes(w.block, w.bits); }
 
-inline size_t chunk_bytes(const KvflowPackedWeight& w) { return code_bytes(w) + (w.has_offset ? 64 : 32); }
+inline size_t chunk_bytes(const KvflowPackedWeight& w) {
+  return code_bytes(w) + (w.has_offset && !w.super_scales ? 64 : 32);  // sc and m bytes: 32 with super_scales
+}
+
+constexpr int kSuperInputs = 256;  // inputs per d and dmin of the K-quants with mins
+
+// Group g's 16 d then 16 dmin (float16) for block b, where the weight has super_scales.
+inline const uint8_t* super_at(const KvflowPackedWeight& w, int64_t g, int64_t b) {
+  return w.super_scales + (static_cast<size_t>(g) * (w.k / kSuperInputs) + b * w.block / kSuperInputs) * 64;
+}
+
+inline float half_value(const uint8_t* p) {
+  kvflow::float16 h;
+  __builtin_memcpy(&h, p, 2);
+  return static_cast<float>(h);
+}
+
+// Column c's scale and offset (w = scale * q + offset) in block b of group g, whose bytes start at `block`:
+// what the vector tiers compute, value for value.
+inline void column_scale_offset(const KvflowPackedWeight& w, int64_t g, int64_t b, const uint8_t* block, int c,
+                                float* scale, float* offset) {
+  const uint8_t* s = block + code_bytes(w);
+  if (w.super_scales) {
+    const uint8_t* d = super_at(w, g, b);
+    *scale = half_value(d + 2 * c) * static_cast<float>(s[c]);
+    *offset = -(half_value(d + 32 + 2 * c) * static_cast<float>(s[16 + c]));
+    return;
+  }
+  *scale = half_value(s + 2 * c);
+  *offset = w.has_offset ? half_value(s + 32 + 2 * c) : *scale * -static_cast<float>(w.centre);
+}
 
 inline bool valid_block(int32_t block) { return block == kBlock || block == kSmallBlock; }
 

@@ -20,17 +20,14 @@ using kvflow::packed::code_at;
 // Column j of a packed weight times x, from the stored codes, summed in double: the exact product.
 double exact_column(const KvflowPackedWeight& w, int64_t j, const float* x) {
   const int64_t nb = w.k / w.block;
-  const size_t chunk = chunk_bytes(w), code_bytes = kvflow::packed::code_bytes(w);
+  const size_t chunk = chunk_bytes(w);
   const int c = static_cast<int>(j % 16);
   const uint8_t* group = w.data + static_cast<size_t>(j / 16) * nb * chunk;
   double total = 0.0;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* at = group + b * chunk;
-    kvflow::float16 scale16, offset16 = 0;
-    std::memcpy(&scale16, at + code_bytes + 2 * c, 2);
-    if (w.has_offset) std::memcpy(&offset16, at + code_bytes + 32 + 2 * c, 2);
-    const double scale = static_cast<double>(scale16);
-    const double offset = w.has_offset ? static_cast<double>(offset16) : -w.centre * scale;
+    float scale, offset;  // exact values, so the same in double
+    kvflow::packed::column_scale_offset(w, j / 16, b, at, c, &scale, &offset);
     const float* xb = x + b * w.block;
     double dot = 0.0, sum = 0.0;
     for (int k = 0; k < w.block; ++k) {
@@ -92,18 +89,15 @@ extern "C" int32_t kvflow_packed_refine_top(const KvflowPackedWeight* w, const f
 
 extern "C" void kvflow_packed_rows(const KvflowPackedWeight* w, const int64_t* ids, int32_t count, float* out) {
   const int64_t nb = w->k / w->block;
-  const size_t chunk = chunk_bytes(*w), code_bytes = kvflow::packed::code_bytes(*w);
+  const size_t chunk = chunk_bytes(*w);
   for (int i = 0; i < count; ++i) {
     const int c = static_cast<int>(ids[i] % 16);
     const uint8_t* group = w->data + static_cast<size_t>(ids[i] / 16) * nb * chunk;
     float* row = out + static_cast<int64_t>(i) * w->k;
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* at = group + b * chunk;
-      kvflow::float16 scale16, offset16 = 0;
-      std::memcpy(&scale16, at + code_bytes + 2 * c, 2);
-      if (w->has_offset) std::memcpy(&offset16, at + code_bytes + 32 + 2 * c, 2);
-      const float scale = static_cast<float>(scale16);
-      const float offset = w->has_offset ? static_cast<float>(offset16) : scale * -static_cast<float>(w->centre);
+      float scale, offset;
+      kvflow::packed::column_scale_offset(*w, ids[i] / 16, b, at, c, &scale, &offset);
       for (int k = 0; k < w->block; ++k)  // scale * q is exact: one rounding
         row[b * w->block + k] = static_cast<float>(code_at(at, w->bits, c, k, w->block)) * scale + offset;
     }
@@ -112,7 +106,7 @@ extern "C" void kvflow_packed_rows(const KvflowPackedWeight* w, const int64_t* i
 
 extern "C" void kvflow_packed_block_abs_sum(const KvflowPackedWeight* w, float* out, int32_t num_threads) {
   const int64_t nb = w->k / w->block, groups = (w->n + 15) / 16;
-  const size_t chunk = chunk_bytes(*w), code_bytes = kvflow::packed::code_bytes(*w);
+  const size_t chunk = chunk_bytes(*w);
   const int team = num_threads > 0 ? num_threads : 1;
   std::vector<float> largest(static_cast<size_t>(team) * nb, 0.f);  // per thread, then merged
   kvflow::parallel(team, [&](kvflow::Team& workers) {
@@ -124,11 +118,8 @@ extern "C" void kvflow_packed_block_abs_sum(const KvflowPackedWeight* w, float* 
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* at = w->data + (static_cast<size_t>(g) * nb + b) * chunk;
         for (int c = 0; c < columns; ++c) {
-          kvflow::float16 scale16, offset16 = 0;
-          std::memcpy(&scale16, at + code_bytes + 2 * c, 2);
-          if (w->has_offset) std::memcpy(&offset16, at + code_bytes + 32 + 2 * c, 2);
-          const float scale = static_cast<float>(scale16);
-          const float offset = w->has_offset ? static_cast<float>(offset16) : scale * -static_cast<float>(w->centre);
+          float scale, offset;
+          kvflow::packed::column_scale_offset(*w, g, b, at, c, &scale, &offset);
           double total = 0.0;  // each weight as kvflow_packed_rows gives it
           for (int i = 0; i < w->block; ++i)
             total += std::fabs(static_cast<float>(code_at(at, w->bits, c, i, w->block)) * scale + offset);

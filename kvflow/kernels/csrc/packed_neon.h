@@ -26,6 +26,12 @@ inline float32x4_t halves(const uint8_t* p) {  // four float16 values
   return vcvt_f32_f16(vreinterpret_f16_u8(vld1_u8(p)));
 }
 
+inline float32x4_t bytes4(const uint8_t* p) {  // four unsigned bytes as floats
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return vcvtq_f32_u32(vmovl_u16(vget_low_u16(vmovl_u8(vreinterpret_u8_u32(vdup_n_u32(v))))));
+}
+
 // The 16 columns of group g for M rows.
 template <int M>
 void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, int64_t y_stride) {
@@ -90,8 +96,15 @@ void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, in
       }
     }
     for (int q = 0; q < 4; ++q) {
-      const float32x4_t scale = halves(block + codes_end + 8 * q);
-      const float32x4_t offset = has_offset ? halves(block + codes_end + 32 + 8 * q) : vmulq_f32(scale, minus_centre);
+      float32x4_t scale, offset;
+      if (w.super_scales) {  // d * sc, -(dmin * m) (kvflow_cpu.h)
+        const uint8_t* d = super_at(w, g, b) + 8 * q;
+        scale = vmulq_f32(halves(d), bytes4(block + codes_end + 4 * q));
+        offset = vnegq_f32(vmulq_f32(halves(d + 32), bytes4(block + codes_end + 16 + 4 * q)));
+      } else {
+        scale = halves(block + codes_end + 8 * q);
+        offset = has_offset ? halves(block + codes_end + 32 + 8 * q) : vmulq_f32(scale, minus_centre);
+      }
       for (int r = 0; r < M; ++r) {
         const int32x4_t dot = two ? vaddq_s32(vshlq_n_s32(dot_h[r][q], 8), dot_l[r][q]) : dot_h[r][q];
         const float32x4_t col_scale = vmulq_f32(scale, vdupq_n_f32(rows.scale[r * rows.blocks + b]));

@@ -11,26 +11,20 @@ namespace kvflow::packed {
 
 namespace scalar {
 
-inline float half_at(const uint8_t* p) {
-  kvflow::float16 h;
-  __builtin_memcpy(&h, p, 2);
-  return static_cast<float>(h);
-}
-
 // Columns of group g for M rows.
 template <int M>
 void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, int64_t y_stride) {
   const int inputs = w.block;  // per block
   const int64_t nb = w.k / inputs;
-  const size_t chunk = chunk_bytes(w), codes_end = code_bytes(w);
+  const size_t chunk = chunk_bytes(w);
   const uint8_t* base = w.data + static_cast<size_t>(g) * nb * chunk;
   const int columns = w.n - g * 16 < 16 ? static_cast<int>(w.n - g * 16) : 16;
   for (int c = 0; c < columns; ++c) {
     float acc[M] = {};
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* block = base + static_cast<size_t>(b) * chunk;
-      const float scale = half_at(block + codes_end + 2 * c);
-      const float offset = w.has_offset ? half_at(block + codes_end + 32 + 2 * c) : scale * -static_cast<float>(w.centre);
+      float scale, offset;
+      column_scale_offset(w, g, b, block, c, &scale, &offset);
       for (int r = 0; r < M; ++r) {
         const int8_t* xh = rows.hi + r * rows.stride + b * inputs;
         const int8_t* xl = rows.lo ? rows.lo + r * rows.stride + b * inputs : nullptr;

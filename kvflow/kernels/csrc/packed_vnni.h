@@ -63,6 +63,29 @@ inline void six_bit_codes(const uint8_t* block, int row, __m512i* first, __m512i
   *second = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibble), _mm512_and_si512(top_second, top_pair));
 }
 
+// Block b's 16 column scales and offsets in group g; s: the block's bytes after its codes. With super_scales
+// (kvflow_cpu.h): d * sc and -(dmin * m), each product exact, the negation a sign flip (as the scalar
+// code's unary minus, zeros included).
+inline void scales_offsets(const KvflowPackedWeight& w, int64_t g, int64_t b, const uint8_t* s, __m512* scale,
+                           __m512* offset) {
+  auto halves = [](const uint8_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  };
+  auto bytes = [](const uint8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  };
+  if (w.super_scales) {
+    const uint8_t* d = super_at(w, g, b);
+    *scale = _mm512_mul_ps(halves(d), bytes(s));
+    const __m512 min = _mm512_mul_ps(halves(d + 32), bytes(s + 16));
+    *offset = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(min), _mm512_set1_epi32(INT32_MIN)));
+    return;
+  }
+  *scale = halves(s);
+  // A centred weight's offset -centre * scale is exact in float32: the value a stored offset would have.
+  *offset = w.has_offset ? halves(s + 32) : _mm512_mul_ps(*scale, _mm512_set1_ps(-static_cast<float>(w.centre)));
+}
+
 inline __m512i broadcast4(const int8_t* p) {  // four input digits, in every 32-bit lane
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -99,8 +122,7 @@ void tile_group(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float*
   const int64_t nb = w.k / Block;
   const size_t chunk = chunk_bytes(w);
   const size_t code_bytes = packed::code_bytes(w);
-  const bool has_offset = w.has_offset != 0, any_offset = has_offset || w.centre != 0;
-  const __m512 minus_centre = _mm512_set1_ps(-static_cast<float>(w.centre));
+  const bool any_offset = w.has_offset != 0 || w.centre != 0;
   const uint8_t* base = w.data + static_cast<size_t>(g) * nb * chunk;
   const __m512i low_nibble = _mm512_set1_epi8(0x0f);
   __m512 acc[M];
@@ -133,11 +155,8 @@ void tile_group(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float*
     } else {
       for (int row = 0; row < Block / 4; ++row) step(row, _mm512_loadu_si512(block + 64 * row));
     }
-    const uint8_t* s = block + code_bytes;
-    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
-    // A centred weight's offset -centre * scale is exact in float32: the value a stored offset would have.
-    const __m512 offset =
-        has_offset ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32))) : _mm512_mul_ps(scale, minus_centre);
+    __m512 scale, offset;
+    scales_offsets(w, g, b, block + code_bytes, &scale, &offset);
     for (int r = 0; r < M; ++r) {
       // 256 h + l: below 2^24 in magnitude for 4-bit codes, so exact in float32 (wider codes round here,
       // the same way on every tier).

@@ -44,7 +44,8 @@ class PackedLinear(QuantLinear):
         x2 = x2.float().contiguous()
         if torch.compiler.is_compiling():
             p = self.packed
-            y = torch.ops.kvflow.packed_matmul(x2, p.data, self.out_features, p.bits, p.has_offset, p.group, p.centre)
+            y = torch.ops.kvflow.packed_matmul(x2, p.data, self.out_features, p.bits, p.has_offset, p.group, p.centre,
+                                               p.super_scales)
         else:
             y = packed_matmul.matmul(x2, self.packed)
         if self.bias is not None:
@@ -79,7 +80,7 @@ class PackedLinear(QuantLinear):
         if torch.compiler.is_compiling():
             p = self.packed
             flat = torch.ops.kvflow.packed_rows(ids.reshape(-1), p.data, p.n, p.k, p.bits, p.has_offset, p.group,
-                                                p.centre)
+                                                p.centre, p.super_scales)
             return flat.view(*ids.shape, self.in_features)
         return packed_matmul.rows(self.packed, ids)
 
@@ -115,25 +116,26 @@ class PackedLinear(QuantLinear):
 
 @torch.library.custom_op("kvflow::packed_matmul", mutates_args=())
 def _packed_matmul_op(x: torch.Tensor, data: torch.Tensor, n: int, bits: int, has_offset: bool,
-                      group: int, centre: int) -> torch.Tensor:
+                      group: int, centre: int, super_scales: torch.Tensor | None) -> torch.Tensor:
     # An op of its own so that torch.compile calls the kernel rather than tracing into ctypes.
-    pw = packed_matmul.PackedWeight(data, n, x.shape[1], bits, has_offset, group, centre)
+    pw = packed_matmul.PackedWeight(data, n, x.shape[1], bits, has_offset, group, centre, super_scales=super_scales)
     return packed_matmul.matmul(x, pw)
 
 
 @_packed_matmul_op.register_fake
 def _(x: torch.Tensor, data: torch.Tensor, n: int, bits: int, has_offset: bool, group: int,
-      centre: int) -> torch.Tensor:
+      centre: int, super_scales: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(x.shape[0], n)
 
 
 @torch.library.custom_op("kvflow::packed_rows", mutates_args=())
 def _packed_rows_op(ids: torch.Tensor, data: torch.Tensor, n: int, k: int, bits: int, has_offset: bool,
-                    group: int, centre: int) -> torch.Tensor:
-    return packed_matmul.rows(packed_matmul.PackedWeight(data, n, k, bits, has_offset, group, centre), ids)
+                    group: int, centre: int, super_scales: torch.Tensor | None) -> torch.Tensor:
+    return packed_matmul.rows(packed_matmul.PackedWeight(data, n, k, bits, has_offset, group, centre,
+                                                         super_scales=super_scales), ids)
 
 
 @_packed_rows_op.register_fake
 def _(ids: torch.Tensor, data: torch.Tensor, n: int, k: int, bits: int, has_offset: bool, group: int,
-      centre: int) -> torch.Tensor:
+      centre: int, super_scales: torch.Tensor | None) -> torch.Tensor:
     return data.new_empty(ids.shape[0], k, dtype=torch.float32)

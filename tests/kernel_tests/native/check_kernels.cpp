@@ -75,8 +75,8 @@ std::vector<uint8_t> pack(const std::vector<uint8_t>& q, const std::vector<uint1
 
 // What the packed matmul computes, written out plainly: digits per block of `block` inputs, exact integer
 // sums, then acc = fma(dot, scale * input scale, acc) and acc = fma(offset, input sum, acc) per block.
-float reference_output(const float* x, const std::vector<uint8_t>& q, const std::vector<uint16_t>& scale,
-                       const std::vector<uint16_t>& offset, int col, int k, bool has_offset, bool bits8, int block,
+float reference_output(const float* x, const std::vector<uint8_t>& q, const std::vector<float>& scale,
+                       const std::vector<float>& offset, int col, int k, bool has_offset, bool bits8, int block,
                        int centre) {
   const int32_t kMaxInt = bits8 ? 127 : 32639;
   float acc = 0.f;
@@ -93,16 +93,16 @@ float reference_output(const float* x, const std::vector<uint8_t>& q, const std:
       total += v;
     }
     const size_t at = static_cast<size_t>(col) * (k / block) + b;
-    acc = std::fma(static_cast<float>(static_cast<int32_t>(dot)), half_value(scale[at]) * s, acc);
-    if (has_offset) acc = std::fma(half_value(offset[at]), s * static_cast<float>(total), acc);
-    if (centre) acc = std::fma(half_value(scale[at]) * -static_cast<float>(centre), s * static_cast<float>(total), acc);
+    acc = std::fma(static_cast<float>(static_cast<int32_t>(dot)), scale[at] * s, acc);
+    if (has_offset) acc = std::fma(offset[at], s * static_cast<float>(total), acc);
+    if (centre) acc = std::fma(scale[at] * -static_cast<float>(centre), s * static_cast<float>(total), acc);
   }
   return acc;
 }
 
 // One packed weight against reference_output for every row count, thread count and input width.
-void check_weight(const KvflowPackedWeight& w, const std::vector<uint8_t>& q, const std::vector<uint16_t>& scale,
-                  const std::vector<uint16_t>& offset) {
+void check_weight(const KvflowPackedWeight& w, const std::vector<uint8_t>& q, const std::vector<float>& scale,
+                  const std::vector<float>& offset) {
   const int n = static_cast<int>(w.n), k = static_cast<int>(w.k);
   for (int m : {1, 2, 3, 5, 9})
     for (int threads : {1, 2})
@@ -126,6 +126,40 @@ void check_weight(const KvflowPackedWeight& w, const std::vector<uint8_t>& q, co
       }
 }
 
+// The K-quants' own scales (kvflow_cpu.h, super_scales): per block of 32 a byte sc and m per column, per 256
+// inputs a float16 d and dmin; scale = d * sc, offset = -(dmin * m).
+void check_super_scales(const std::vector<uint8_t>& q, int n, int bits) {
+  const int k = 512, blocks = k / 32, groups = (n + 15) / 16, code = 2 * 32 * bits, chunk = code + 32;
+  std::vector<uint8_t> codes_q(static_cast<size_t>(n) * k);
+  for (size_t i = 0; i < codes_q.size(); ++i) codes_q[i] = q[i % q.size()];
+  const std::vector<uint16_t> unused(static_cast<size_t>(n) * blocks, 0);
+  const std::vector<uint8_t> plain = pack(codes_q, unused, unused, n, k, bits, false, 32);  // codes, zero scales
+  std::vector<uint8_t> data(static_cast<size_t>(groups) * blocks * chunk, 0), supers(static_cast<size_t>(groups) * 2 * 64);
+  std::vector<float> scale(static_cast<size_t>(n) * blocks), offset(scale.size());
+  for (int g = 0; g < groups; ++g)
+    for (int b = 0; b < blocks; ++b) {
+      uint8_t* at = data.data() + (static_cast<size_t>(g) * blocks + b) * chunk;
+      std::memcpy(at, plain.data() + (static_cast<size_t>(g) * blocks + b) * (code + 32), code);
+      uint8_t* d = supers.data() + (static_cast<size_t>(g) * 2 + b / 8) * 64;
+      for (int j = 0; j < 16; ++j) {
+        const int col = g * 16 + j;
+        if (b % 8 == 0) {
+          const uint16_t dh = half_bits(uniform(0.0005f, 0.002f)), mh = half_bits(uniform(0.0005f, 0.002f));
+          std::memcpy(d + 2 * j, &dh, 2), std::memcpy(d + 32 + 2 * j, &mh, 2);
+        }
+        at[code + j] = static_cast<uint8_t>(rng() % 64), at[code + 16 + j] = static_cast<uint8_t>(rng() % 64);
+        if (col >= n) continue;
+        uint16_t dh, mh;
+        std::memcpy(&dh, d + 2 * j, 2), std::memcpy(&mh, d + 32 + 2 * j, 2);
+        scale[static_cast<size_t>(col) * blocks + b] = half_value(dh) * static_cast<float>(at[code + j]);
+        offset[static_cast<size_t>(col) * blocks + b] = -(half_value(mh) * static_cast<float>(at[code + 16 + j]));
+      }
+    }
+  KvflowPackedWeight w{data.data(), n, k, bits, 1, 32, 0};
+  w.super_scales = supers.data();
+  check_weight(w, codes_q, scale, offset);
+}
+
 void check_packed_matmul() {
   KvflowTuning tuning{16, 8, 8};
   kvflow_set_tuning(&tuning);
@@ -142,11 +176,15 @@ void check_packed_matmul() {
             offset[i] = half_bits(uniform(-0.3f, 0.3f));
           }
           const std::vector<uint8_t> data = pack(q, scale, offset, n, k, bits, has_offset, block);
-          check_weight({data.data(), n, k, bits, has_offset ? 1 : 0, block, 0}, q, scale, offset);
+          std::vector<float> scale_f(scale.size()), offset_f(scale.size());
+          for (size_t i = 0; i < scale.size(); ++i) scale_f[i] = half_value(scale[i]), offset_f[i] = half_value(offset[i]);
+          check_weight({data.data(), n, k, bits, has_offset ? 1 : 0, block, 0}, q, scale_f, offset_f);
           if (!has_offset)  // the same codes as symmetric ones: offsets -centre * scale, derived, not stored
-            check_weight({data.data(), n, k, bits, 0, block, 1 << (bits - 1)}, q, scale, offset);
+            check_weight({data.data(), n, k, bits, 0, block, 1 << (bits - 1)}, q, scale_f, offset_f);
+          if (has_offset && block == 32 && bits != 8) check_super_scales(q, n, bits);
         }
-  std::printf("ok packed matmul (path %d), 4-, 6- and 8-bit codes, blocks of 32 and 16, stored and derived offsets: "
+  std::printf("ok packed matmul (path %d), 4-, 6- and 8-bit codes, blocks of 32 and 16, stored, derived and K-quant "
+              "scales and offsets: "
               "bitwise equal to the reference\n", kvflow_packed_matmul_path());
 }
 

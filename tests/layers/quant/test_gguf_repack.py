@@ -62,7 +62,10 @@ def cpp_path(parts, orders) -> packed_matmul.PackedWeight:
     return pw
 
 
-@pytest.mark.parametrize("qtype", PACKED_BITS)
+OWN_SCALES = ("Q4_K", "Q5_K")  # packed with their own scales (packed_matmul.OWN_SCALE_TYPES)
+
+
+@pytest.mark.parametrize("qtype", [q for q in PACKED_BITS if q not in OWN_SCALES])
 def test_each_type_packs_to_the_python_paths_bytes(qtype):
     parts = [(random_tensor(qtype, 40, 512, 1), qtype)]  # 40 rows: a partial last group of 16
     want, got = python_path(parts, [None]), cpp_path(parts, [None])
@@ -92,7 +95,34 @@ def test_fused_parts_of_mixed_widths_groups_and_row_orders():
     assert torch.equal(layer.packed.data, want.data)
 
 
-@pytest.mark.parametrize("qtype", [q for q in PACKED_BITS if LAYOUT_BITS[q] == 6])
+@pytest.mark.parametrize("qtype", OWN_SCALES)
+def test_k_quants_keep_their_own_scales_exactly_in_fewer_bytes(qtype):
+    """Q4_K and Q5_K keep their 6-bit sub-block scales and mins with a float16 d and dmin per 256 inputs
+    (4.625 bits a 4-bit weight, where float16 scales and offsets per 32 took 5): the weights are the file's,
+    bit for bit (no float16 rounding of d * sc), and every tier multiplies by them alike."""
+    parts = [(random_tensor(qtype, 40, 512, 15), qtype)]
+    own, rounded = cpp_path(parts, [None]), python_path(parts, [None])
+    bits = own.bits  # per weight: bits + 0.625 (sc, m, and d, dmin per 256), not bits + 1 (two float16 per 32)
+    assert own.super_scales is not None and own.nbytes() / rounded.nbytes() == pytest.approx((bits + 0.625) / (bits + 1))
+    exact = from_gguf(*parts[0]).dequantize()
+    assert torch.equal(packed_matmul.dequantize(own), exact)
+    assert torch.equal(packed_matmul.rows(own, torch.tensor([0, 17, 39])), exact[[0, 17, 39]])
+    x = torch.randn(9, 512)
+    ref = x.double() @ exact.double().t()
+    for m in (1, 2, 9):
+        y = packed_matmul.matmul(x[:m], own)
+        assert ((y.double() - ref[:m]).abs().max() / ref.abs().max()).item() < 1e-4
+    layer = gguf_linear(parts)  # the loader's layer, and its exact greedy head path
+    assert layer.packed.super_scales is not None
+    assert torch.equal(layer.exact_top(x).argmax(-1), ref.argmax(-1))
+    experts = packed_matmul.split_rows(packed_matmul.pack_gguf(
+        [(random_tensor(qtype, 64, 512, 16), gguf.GGMLQuantizationType[qtype].value, None)], *packed_form([qtype])), 32)
+    whole = packed_matmul.dequantize(packed_matmul.pack_gguf(
+        [(random_tensor(qtype, 64, 512, 16), gguf.GGMLQuantizationType[qtype].value, None)], *packed_form([qtype])))
+    assert torch.equal(torch.cat([packed_matmul.dequantize(e) for e in experts]), whole)  # a MoE's experts
+
+
+@pytest.mark.parametrize("qtype", [q for q in PACKED_BITS if LAYOUT_BITS[q] == 6 and q not in OWN_SCALES])
 def test_six_bit_codes_multiply_as_the_same_codes_in_eight_bits(qtype):
     """Q6_K, Q5_K and Q5_1 are kept at 6 bits a code (7 a weight with scales, not 9): the same integer
     sums, so every output is bitwise what the 8-bit layout gives, in fewer bytes."""

@@ -165,13 +165,13 @@ def test_k_quants_and_iq4_run_on_the_packed_kernel(qtype, rows):
 @needs_packed_kernel  # gguf_linear picks the packed kernel; without a compiler there is none to test
 def test_a_fused_layer_of_group_32_and_group_16_parts_keeps_each_parts_weights():
     """Q4_K_M files put a Q6_K v beside a Q4_K q and k: one layer of 6-bit codes in blocks of 16 holds them,
-    with exactly the parts' (rounded) weights."""
+    with exactly the parts' weights, their scales rounded to float16 (alone, a Q4_K keeps its own scales)."""
     from kvflow.layers.quant import gguf_linear
 
     parts = [(random_blocks("Q4_K", 64, 6), "Q4_K"), (random_blocks("Q6_K", 32, 7), "Q6_K")]
     layer = gguf_linear(parts)
     assert isinstance(layer, PackedLinear) and (layer.packed.bits, layer.packed.group) == (6, 16)
-    alone = torch.cat([gguf_linear([part]).dequantize() for part in parts])
+    alone = torch.cat([round_scales_to_f16(from_gguf(raw, qtype)).dequantize() for raw, qtype in parts])
     assert torch.equal(layer.dequantize(), alone)
 
 
