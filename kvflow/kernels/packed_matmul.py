@@ -193,7 +193,8 @@ def codes(pw: PackedWeight, rows: torch.Tensor | None = None) -> tuple[torch.Ten
     code = chunk[..., : pw.code_bytes]
     if pw.bits < 8:
         mine = code[..., : 64 * code_rows].reshape(-1, blocks, code_rows, COLUMNS, 4)[picked, :, :, col]
-        q = torch.stack([mine & 0x0F, mine >> 4], dim=3).reshape(len(rows), blocks, pw.group)  # [R, blocks, row, half, t]
+        # [R, blocks, row, half, t]: input 8 row + 4 half + t of the block
+        q = torch.stack([mine & 0x0F, mine >> 4], dim=3).reshape(len(rows), blocks, pw.group)
         if pw.bits == 6:  # the top two bits of input 16 row + 4 i + t: bits 2 i of byte (row, t)
             top = code[..., 64 * code_rows :].reshape(-1, blocks, code_rows // 2, COLUMNS, 4)[picked, :, :, col]
             pairs = torch.stack([(top >> (2 * i)) & 3 for i in range(4)], dim=3)  # [R, blocks, row, i, t]

@@ -26,10 +26,18 @@ enum GgmlType : int32_t {
 
 constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
-float half_at(const uint8_t* p) {
-  kvflow::float16 h;
-  std::memcpy(&h, p, 2);
-  return static_cast<float>(h);
+using kvflow::packed::half_value;
+
+// A Q4_K or Q5_K block's own scales, undecoded: d and dmin (float16 bits) and its 8 sub-blocks' 6-bit sc
+// and m (decode_block's scale d * sc and offset -(dmin * m)).
+void k_scales(const uint8_t* b, uint16_t* d, uint16_t* dmin, uint8_t* sc, uint8_t* m) {
+  std::memcpy(d, b, 2);
+  std::memcpy(dmin, b + 2, 2);
+  const uint8_t* sm = b + 4;
+  for (int j = 0; j < 8; ++j) {
+    sc[j] = static_cast<uint8_t>(j < 4 ? sm[j] & 63 : (sm[j + 4] & 15) | ((sm[j - 4] >> 6) << 4));
+    m[j] = static_cast<uint8_t>(j < 4 ? sm[j + 4] & 63 : (sm[j + 4] >> 4) | ((sm[j] >> 6) << 4));
+  }
 }
 
 // The codes' centre c of a symmetric type (w = scale (q - c): offset = -c scale, not stored), else 0.
@@ -76,7 +84,7 @@ bool block_shape(int32_t type, int* elements, int* bytes, int* group) {
 void decode_block(int32_t type, const uint8_t* b, uint8_t* q, float* scale, float* offset) {
   switch (type) {
     case kQ8_0: {
-      const float d = half_at(b);
+      const float d = half_value(b);
       for (int i = 0; i < 32; ++i) q[i] = static_cast<uint8_t>(static_cast<int8_t>(b[2 + i]) + 128);
       scale[0] = d, offset[0] = -128.f * d;
       return;
@@ -86,9 +94,9 @@ void decode_block(int32_t type, const uint8_t* b, uint8_t* q, float* scale, floa
     case kIQ4_NL: {
       const uint8_t* qs = b + (type == kQ4_1 ? 4 : 2);
       for (int i = 0; i < 16; ++i) q[i] = qs[i] & 15, q[i + 16] = qs[i] >> 4;
-      const float d = half_at(b);
+      const float d = half_value(b);
       scale[0] = d;
-      if (type == kQ4_1) offset[0] = half_at(b + 2);
+      if (type == kQ4_1) offset[0] = half_value(b + 2);
       if (type == kQ4_0) offset[0] = -8.f * d;
       if (type == kIQ4_NL) {
         for (int i = 0; i < 32; ++i) q[i] = static_cast<uint8_t>(kIq4Values[q[i]] + 128);
@@ -106,10 +114,10 @@ void decode_block(int32_t type, const uint8_t* b, uint8_t* q, float* scale, floa
         q[i] = static_cast<uint8_t>((qs[i] & 15) | (((qh >> i) & 1) << 4));
         q[i + 16] = static_cast<uint8_t>((qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4));
       }
-      const float d = half_at(b);
+      const float d = half_value(b);
       scale[0] = d;
       if (type == kQ5_1) {
-        offset[0] = half_at(b + 2);
+        offset[0] = half_value(b + 2);
       } else {  // d (q5 - 16) as Q8_0's centred codes: q5 + 112 - 128
         for (int i = 0; i < 32; ++i) q[i] = static_cast<uint8_t>(q[i] + 112);
         offset[0] = -128.f * d;
@@ -118,13 +126,11 @@ void decode_block(int32_t type, const uint8_t* b, uint8_t* q, float* scale, floa
     }
     case kQ4_K:
     case kQ5_K: {
-      const float d = half_at(b), dmin = half_at(b + 2);
-      const uint8_t* sm = b + 4;
-      for (int j = 0; j < 8; ++j) {
-        const int sc = j < 4 ? sm[j] & 63 : (sm[j + 4] & 15) | ((sm[j - 4] >> 6) << 4);
-        const int m = j < 4 ? sm[j + 4] & 63 : (sm[j + 4] >> 4) | ((sm[j] >> 6) << 4);
-        scale[j] = d * static_cast<float>(sc), offset[j] = -(dmin * static_cast<float>(m));
-      }
+      const float d = half_value(b), dmin = half_value(b + 2);
+      uint16_t d_bits, dmin_bits;
+      uint8_t sc[8], m[8];
+      k_scales(b, &d_bits, &dmin_bits, sc, m);
+      for (int j = 0; j < 8; ++j) scale[j] = d * static_cast<float>(sc[j]), offset[j] = -(dmin * static_cast<float>(m[j]));
       const uint8_t* qs = b + (type == kQ5_K ? 48 : 16);
       for (int p = 0; p < 4; ++p)  // 32 bytes per pair of sub-blocks: low nibbles 2p, high ones 2p + 1
         for (int i = 0; i < 32; ++i) q[64 * p + i] = qs[32 * p + i] & 15, q[64 * p + 32 + i] = qs[32 * p + i] >> 4;
@@ -141,7 +147,7 @@ void decode_block(int32_t type, const uint8_t* b, uint8_t* q, float* scale, floa
             for (int l = 0; l < 32; ++l)
               q[128 * h + 64 * nib + 32 * w + l] = static_cast<uint8_t>(
                   ((ql[64 * h + 32 * w + l] >> (4 * nib)) & 15) | (((qh[32 * h + l] >> (2 * (2 * nib + w))) & 3) << 4));
-      const float d = half_at(b + 208);
+      const float d = half_value(b + 208);
       for (int j = 0; j < 16; ++j) {
         scale[j] = d * static_cast<float>(static_cast<int8_t>(b[192 + j]));
         offset[j] = -32.f * scale[j];
@@ -155,7 +161,7 @@ void decode_block(int32_t type, const uint8_t* b, uint8_t* q, float* scale, floa
         for (int j = 0; j < 4; ++j)
           for (int l = 0; l < 32; ++l) q[128 * h + 32 * j + l] = (qs[32 * h + l] >> (2 * j)) & 3;
       if (type == kQ2_K) {
-        const float d = half_at(b + 80), dmin = half_at(b + 82);
+        const float d = half_value(b + 80), dmin = half_value(b + 82);
         for (int s = 0; s < 16; ++s)
           scale[s] = d * static_cast<float>(b[s] & 15), offset[s] = -(dmin * static_cast<float>(b[s] >> 4));
         return;
@@ -164,7 +170,7 @@ void decode_block(int32_t type, const uint8_t* b, uint8_t* q, float* scale, floa
         for (int j = 0; j < 4; ++j)
           for (int l = 0; l < 32; ++l) q[128 * h + 32 * j + l] |= static_cast<uint8_t>(((b[l] >> (4 * h + j)) & 1) << 2);
       const uint8_t* sc = b + 96;  // scale s: low 4 bits from byte s % 8 (high nibble from 8), top 2 from byte 8 + s % 4
-      const float d = half_at(b + 108);
+      const float d = half_value(b + 108);
       for (int s = 0; s < 16; ++s) {
         const int low = s < 8 ? sc[s] & 15 : sc[s - 8] >> 4;
         const int top = (sc[8 + s % 4] >> (2 * (s / 4))) & 3;
@@ -174,7 +180,7 @@ void decode_block(int32_t type, const uint8_t* b, uint8_t* q, float* scale, floa
       return;
     }
     case kIQ4_XS: {
-      const float d = half_at(b);
+      const float d = half_value(b);
       const int high = b[2] | (b[3] << 8);
       for (int j = 0; j < 8; ++j) {
         const int ls = ((b[4 + j / 2] >> (4 * (j % 2))) & 15) | (((high >> (2 * j)) & 3) << 4);
@@ -189,18 +195,6 @@ void decode_block(int32_t type, const uint8_t* b, uint8_t* q, float* scale, floa
     }
     default:
       return;
-  }
-}
-
-// A Q4_K or Q5_K block's own scales, undecoded: d and dmin (float16 bits) and its 8 sub-blocks' 6-bit sc
-// and m (decode_block's scale d * sc and offset -(dmin * m)).
-void k_scales(const uint8_t* b, uint16_t* d, uint16_t* dmin, uint8_t* sc, uint8_t* m) {
-  std::memcpy(d, b, 2);
-  std::memcpy(dmin, b + 2, 2);
-  const uint8_t* sm = b + 4;
-  for (int j = 0; j < 8; ++j) {
-    sc[j] = static_cast<uint8_t>(j < 4 ? sm[j] & 63 : (sm[j + 4] & 15) | ((sm[j - 4] >> 6) << 4));
-    m[j] = static_cast<uint8_t>(j < 4 ? sm[j + 4] & 63 : (sm[j + 4] >> 4) | ((sm[j] >> 6) << 4));
   }
 }
 
@@ -229,8 +223,8 @@ extern "C" int32_t kvflow_pack_gguf(const KvflowGgufPart* parts, int32_t count, 
     n += parts[p].rows;
   }
   const int64_t groups = (n + 15) / 16, blocks = k / block;
-  const size_t code_bytes = kvflow::packed::code_bytes(block, bits),
-               chunk = code_bytes + (centre || super_out ? 32 : 64);
+  const KvflowPackedWeight layout{nullptr, 0, k, bits, centre ? 0 : 1, block, centre, super_out};
+  const size_t code_bytes = kvflow::packed::code_bytes(layout), chunk = kvflow::packed::chunk_bytes(layout);
   const int64_t supers = k / kvflow::packed::kSuperInputs;
   std::atomic<int32_t> failed{0};
   kvflow::parallel(num_threads, [&](kvflow::Team& team) {
@@ -273,7 +267,7 @@ extern "C" int32_t kvflow_pack_gguf(const KvflowGgufPart* parts, int32_t count, 
           for (int64_t e = 0; e < supers; ++e) {
             k_scales(in + e * bytes, &super_d[c * supers + e], &super_dmin[c * supers + e],
                      &sub_sc[c * (k / 32) + 8 * e], &sub_m[c * (k / 32) + 8 * e]);
-            if (!std::isfinite(half_at(in + e * bytes)) || !std::isfinite(half_at(in + e * bytes + 2)))
+            if (!std::isfinite(half_value(in + e * bytes)) || !std::isfinite(half_value(in + e * bytes + 2)))
               failed.store(1, std::memory_order_relaxed);
           }
       }
@@ -300,7 +294,10 @@ extern "C" int32_t kvflow_pack_gguf(const KvflowGgufPart* parts, int32_t count, 
             }
         }
         if (super_out) {  // sc and m bytes here; d and dmin once per 256 inputs
-          for (int j = 0; j < 16; ++j) at[code_bytes + j] = sub_sc[j * (k / 32) + b], at[code_bytes + 16 + j] = sub_m[j * (k / 32) + b];
+          for (int j = 0; j < 16; ++j) {
+            at[code_bytes + j] = sub_sc[j * (k / 32) + b];
+            at[code_bytes + 16 + j] = sub_m[j * (k / 32) + b];
+          }
           if (b % 8 == 0) {
             uint8_t* d = super_out + (static_cast<size_t>(g) * supers + b / 8) * 64;
             for (int j = 0; j < 16; ++j) {

@@ -3,9 +3,9 @@
 // (pairs summed to 32 bits), as llama.cpp's AVX2 dot products do.
 //
 // vpmaddubsw saturates, so each product must stay small: 4-bit codes (0..15) times digits (-128..127)
-// give at most 3,840 per pair, and eight steps of a block summed in 16 bits stay below 32,767. 6- and 8-bit
-// codes go as their low nibble and the rest (c = 16 h + l), recombined in 32 bits. Every sum is exact, and the float
-// epilogue is the VNNI path's, lane for lane: the result is bitwise the same.
+// give at most 3,840 per pair, and eight steps of a block summed in 16 bits stay below 32,767. 6- and
+// 8-bit codes go as their low nibble and the rest (c = 16 h + l), recombined in 32 bits. Every sum is
+// exact, and the float epilogue is the VNNI path's, lane for lane: the result is bitwise the same.
 #pragma once
 
 #include <immintrin.h>
@@ -109,19 +109,23 @@ inline __m256i in_register(__m256i v) {
 // the VNNI path's values (kvflow_cpu.h), lane for lane. offset null: not wanted.
 inline void scales_offsets(const KvflowPackedWeight& w, int64_t g, int64_t b, const uint8_t* s, int half,
                            __m256* scale, __m256* offset) {
-  auto halves = [](const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); };
+  auto halves = [](const uint8_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  };
   auto bytes = [](const uint8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   };
   if (w.super_scales) {
     const uint8_t* d = super_at(w, g, b) + 16 * half;
     *scale = _mm256_mul_ps(halves(d), bytes(s + 8 * half));
-    if (offset) *offset = _mm256_xor_ps(_mm256_mul_ps(halves(d + 32), bytes(s + 16 + 8 * half)), _mm256_set1_ps(-0.f));
+    if (offset)  // -(dmin * m): a sign flip, as the scalar code's unary minus
+      *offset = _mm256_xor_ps(_mm256_mul_ps(halves(d + 32), bytes(s + 16 + 8 * half)), _mm256_set1_ps(-0.f));
     return;
   }
   *scale = halves(s + 16 * half);
   if (offset)  // stored, or a centred weight's -centre * scale (exact: the same value)
-    *offset = w.has_offset ? halves(s + 16 * half + 32) : _mm256_mul_ps(*scale, _mm256_set1_ps(-static_cast<float>(w.centre)));
+    *offset = w.has_offset ? halves(s + 16 * half + 32)
+                           : _mm256_mul_ps(*scale, _mm256_set1_ps(-static_cast<float>(w.centre)));
 }
 
 inline __m256i broadcast4(const int8_t* p) {  // four input digits, in every 32-bit lane
@@ -148,9 +152,8 @@ void tile(const KvflowPackedWeight& w, int64_t g, int half, const Rows& rows, fl
     const size_t at = static_cast<size_t>(b) * chunk;
     if (half == 0) prefetch_ahead(base + at, chunk);
     // 16-bit sums over the block: [digit][nibble] (nibble 1: what is above the low nibble of 6- and 8-bit
-    // codes). Every index
-    // is a compile-time constant, so the sums stay in registers (a run-time nibble index put them on the
-    // stack, and the kernel ran at half speed).
+    // codes). Every index is a compile-time constant, so the sums stay in registers (a run-time nibble
+    // index put them on the stack, and the kernel ran at half speed).
     __m256i s16[M][H][2][2];
     for (int r = 0; r < M; ++r)
       for (int h = 0; h < H; ++h)

@@ -80,8 +80,8 @@ inline bool valid_block(int32_t block) { return block == kBlock || block == kSma
 
 inline bool valid_bits(int32_t bits) { return bits == 4 || bits == 6 || bits == 8; }
 
-// Where a 6-bit block's rows of top bits start: after its block / 8 rows of low nibbles.
-inline size_t top_bits_at(int block) { return static_cast<size_t>(8 * block); }
+// Where a 6-bit block's rows of top bits start: after its low nibbles, laid out as a 4-bit block's codes.
+inline size_t top_bits_at(int block) { return code_bytes(block, 4); }
 
 // The code of input `input` of column `column` in one block's bytes (the layout in kvflow_cpu.h).
 inline int code_at(const uint8_t* block, int bits, int column, int input, int block_inputs) {

@@ -1,8 +1,8 @@
 // The packed matmul on ARM NEON with the dotprod extension: each 16-byte quarter of a code row (4 columns
 // x 4 inputs) times four input digits through vdotq_s32 (signed bytes, four products summed per 32-bit
 // lane), as llama.cpp's ARM dot products do. 4- and 6-bit codes (0..15, 0..63) are signed bytes as they
-// are; 8-bit codes go as their two nibbles (c = 16 h + l), recombined in 32 bits. Every sum is exact and the float
-// epilogue is the other tiers', lane for lane: the result is bitwise the same.
+// are; 8-bit codes go as their two nibbles (c = 16 h + l), recombined in 32 bits. Every sum is exact and
+// the float epilogue is the other tiers', lane for lane: the result is bitwise the same.
 #pragma once
 
 #include <arm_neon.h>
@@ -76,8 +76,8 @@ void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, in
     for (int row = 0; row < rows_per_block; ++row) {
       int8x16_t lo[4], hi[4];
       for (int q = 0; q < 4; ++q) {
-        uint8x16_t v_lo = vandq_u8(vld1q_u8(block + 64 * row + 16 * q), low_nibble);
-        uint8x16_t v_hi = vshrq_n_u8(vld1q_u8(block + 64 * row + 16 * q), 4);
+        const uint8x16_t v = vld1q_u8(block + 64 * row + 16 * q);
+        uint8x16_t v_lo = vandq_u8(v, low_nibble), v_hi = vshrq_n_u8(v, 4);
         if (six_bit) {  // each nibble's top two bits, from row row / 2 of them, above it
           const uint8x16_t top = vld1q_u8(block + top_bits_at(w.block) + 64 * (row / 2) + 16 * q);
           const uint8x16_t pairs = row % 2 ? vshrq_n_u8(top, 4) : top;

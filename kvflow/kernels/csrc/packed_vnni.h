@@ -60,7 +60,8 @@ inline void six_bit_codes(const uint8_t* block, int row, __m512i* first, __m512i
   const __m512i top_first = row % 2 ? top : _mm512_slli_epi16(top, 4);  // its pair to bits 4, 5
   const __m512i top_second = row % 2 ? _mm512_srli_epi16(top, 2) : _mm512_slli_epi16(top, 2);
   *first = _mm512_or_si512(_mm512_and_si512(v, low_nibble), _mm512_and_si512(top_first, top_pair));
-  *second = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibble), _mm512_and_si512(top_second, top_pair));
+  *second =
+      _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibble), _mm512_and_si512(top_second, top_pair));
 }
 
 // Block b's 16 column scales and offsets in group g; s: the block's bytes after its codes. With super_scales

@@ -115,11 +115,9 @@ def test_k_quants_keep_their_own_scales_exactly_in_fewer_bytes(qtype):
     layer = gguf_linear(parts)  # the loader's layer, and its exact greedy head path
     assert layer.packed.super_scales is not None
     assert torch.equal(layer.exact_top(x).argmax(-1), ref.argmax(-1))
-    experts = packed_matmul.split_rows(packed_matmul.pack_gguf(
-        [(random_tensor(qtype, 64, 512, 16), gguf.GGMLQuantizationType[qtype].value, None)], *packed_form([qtype])), 32)
-    whole = packed_matmul.dequantize(packed_matmul.pack_gguf(
-        [(random_tensor(qtype, 64, 512, 16), gguf.GGMLQuantizationType[qtype].value, None)], *packed_form([qtype])))
-    assert torch.equal(torch.cat([packed_matmul.dequantize(e) for e in experts]), whole)  # a MoE's experts
+    stacked = cpp_path([(random_tensor(qtype, 64, 512, 16), qtype)], [None])  # a MoE's experts, cut from one
+    experts = packed_matmul.split_rows(stacked, 32)
+    assert torch.equal(torch.cat([packed_matmul.dequantize(e) for e in experts]), packed_matmul.dequantize(stacked))
 
 
 @pytest.mark.parametrize("qtype", [q for q in PACKED_BITS if LAYOUT_BITS[q] == 6 and q not in OWN_SCALES])
