@@ -59,6 +59,10 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default=None, choices=["none", "gguf", "int8", "int4"],
                    help="CPU weight-only: gguf keeps a GGUF's Q4_x/Q5_x/Q8_0/K-quant/IQ4 weights packed (the default for GGUF files "
                         "with --dtype auto on CPU); none: float weights; int8/int4 quantize a float checkpoint")
+    g.add_argument("--packed-cache", default=m.packed_cache, metavar="auto|off|DIR",
+                   help="where a GGUF model's packed weights are kept after its first load, so later loads map "
+                        "them instead of packing again (auto: ~/.cache/kvflow/packed, bounded by 32GiB or half "
+                        "the free space; $KVFLOW_PACKED_CACHE sets the default)")
     g.add_argument("--compile", default=m.compile, choices=["auto", "on", "off"],
                    help="torch.compile the model (auto: on CPU with --dtype auto; first start about a minute, "
                         "then cached)")
@@ -82,7 +86,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         enable_prefix_caching=not args.no_prefix_caching, enable_chunked_prefill=not args.no_chunked_prefill,
         prefix_cache_dir=args.prefix_cache_dir, prefix_cache_disk=args.prefix_cache_disk,
         scheduling_policy=args.scheduling_policy,
-        quantization=args.quantization, compile=args.compile, threads=args.threads, seed=args.seed,
+        quantization=args.quantization, packed_cache=args.packed_cache, compile=args.compile, threads=args.threads, seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size, trace_file=args.trace,
         speculative_config=args.speculative_config,
     )

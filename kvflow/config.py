@@ -26,6 +26,9 @@ class ModelConfig:
     seed: int = 0
     # Ranks the model is split across by attention heads and MLP columns (kvflow/distributed); 1: one process.
     tensor_parallel_size: int = 1
+    # Where a GGUF model's packed weights are kept for later loads (loader/packed_cache.py): "auto" (kvflow's
+    # cache folder), "off", or a folder. The environment variable KVFLOW_PACKED_CACHE sets the default.
+    packed_cache: str = field(default_factory=lambda: os.environ.get("KVFLOW_PACKED_CACHE", "auto"))
 
 
 @dataclass

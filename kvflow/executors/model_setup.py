@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +30,9 @@ from kvflow.kernels import abi, packed_matmul
 from kvflow.layers.linear import Linear
 from kvflow.layers.quant.base import QuantLinear
 from kvflow.layers.quant.packed_linear import PackedLinear
+from kvflow.loader import packed_cache
 from kvflow.loader.model_loader import load_weights, open_model_files, read_arch, return_freed_memory
+from kvflow.loader.packed_cache import PackedCache
 from kvflow.loader.resolve import ResolvedModel, resolve_model
 from kvflow.models.arch import ArchConfig
 from kvflow.models.registry import model_class_for
@@ -49,6 +52,7 @@ class LoadedModel:
     compiled: Callable | None = None  # a torch.compile'd hidden_states, where the plan compiles
     # This rank's group where the model is split across ranks (arch is then this rank's share of the heads).
     tensor_parallel: TensorParallelGroup | None = None
+    packed_cache: PackedCache | None = None  # where its packed weights came from or go (loader/packed_cache.py)
 
     @property
     def device(self) -> torch.device:
@@ -105,7 +109,17 @@ def load_model(config: ModelConfig, with_tokenizer: bool = True) -> LoadedModel:
     files = open_model_files(resolved)
     arch = read_arch(files)
     model_class_for(arch)  # refuses what this architecture's class cannot run, before the heavy reads
-    tokenizer = files.tokenizer() if with_tokenizer else None
+    with ThreadPoolExecutor(1, thread_name_prefix="kvflow-tokenizer") as pool:
+        # The tokenizer builds (mostly Python: transformers' import, a 128K vocabulary) while the weights
+        # load (mostly C++, which lets go of the GIL): a second or more off an 8B model's load.
+        tokenizer = pool.submit(files.tokenizer) if with_tokenizer else None
+        loaded = _load(config, files, resolved, arch)
+        prepare_model(loaded)
+        loaded.tokenizer = None if tokenizer is None else tokenizer.result()
+    return loaded
+
+
+def _load(config: ModelConfig, files, resolved: ResolvedModel, arch: ArchConfig) -> LoadedModel:
     plan = plan_execution(config, resolved.kind, arch.torch_dtype)
     max_len = config.max_model_len or arch.max_position_embeddings
     tp = tp_group.current()
@@ -113,14 +127,27 @@ def load_model(config: ModelConfig, with_tokenizer: bool = True) -> LoadedModel:
     if tp is not None:  # this rank's heads and MLP columns only (kvflow/distributed/sharding.py)
         sharder = WeightSharder(arch, tp.rank, tp.world_size)
         arch = shard_arch(arch, tp.rank, tp.world_size)
-    model = load_weights(files, arch, plan.dtype, plan.quantization, plan.device, max_len, sharder)
+    cache = open_packed_cache(config.packed_cache, resolved, plan.quantization, tp)
+    model = load_weights(files, arch, plan.dtype, plan.quantization, plan.device, max_len, sharder, cache)
     if tp is not None:
         install_reductions(model, tp)
     log.info("loaded %s (%s) on %s in %s, %s mode", resolved.name, arch.architecture, plan.device,
              str(plan.dtype).split(".")[-1], plan.mode)
-    loaded = LoadedModel(model, tokenizer, arch, resolved, plan, max_len, tensor_parallel=tp)
-    prepare_model(loaded)
-    return loaded
+    return LoadedModel(model, None, arch, resolved, plan, max_len, tensor_parallel=tp, packed_cache=cache)
+
+
+def open_packed_cache(where: str, resolved: ResolvedModel, quantization: str | None,
+                      tp: TensorParallelGroup | None) -> PackedCache | None:
+    """The packed-weight cache for a GGUF load whose weights stay packed, or None ("off", or nothing packed)."""
+    if where == "off" or resolved.kind != "gguf" or quantization != "gguf" or not packed_matmul.available():
+        return None
+    folder = packed_cache.default_folder() if where == "auto" else where
+    shard = None if tp is None else (tp.rank, tp.world_size)
+    try:
+        return PackedCache(folder, packed_cache.cache_key(resolved.path, shard))
+    except OSError as exc:
+        log.warning("packed-weight cache %s unusable (%s): packing every load", folder, exc)
+        return None
 
 
 def prepare_model(loaded: LoadedModel) -> None:

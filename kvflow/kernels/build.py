@@ -55,11 +55,14 @@ def tier_flags(tier: str, machine: str | None = None, flags: frozenset[str] | No
     return base
 
 
+def cache_root() -> Path:
+    """kvflow's cache folder: $KVFLOW_CACHE_DIR, else $XDG_CACHE_HOME/kvflow or ~/.cache/kvflow."""
+    return Path(os.environ.get("KVFLOW_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvflow"))
+
+
 def cache_dir() -> Path:
-    root = os.environ.get("KVFLOW_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvflow"
-    )
-    return Path(root) / "kernels"
+    return cache_root() / "kernels"
 
 
 def compiler() -> str | None:
@@ -72,10 +75,17 @@ def compile_flags(tier: str, openmp: bool = True) -> tuple[str, ...]:
     return (*COMMON_FLAGS, *tier_flags(tier), *threading)
 
 
-def _library_path(cxx: str, tier: str, openmp: bool) -> Path:
+@functools.cache
+def sources_digest() -> str:
+    """A digest of every kernel source and header: what names a build, and the packed layout it writes."""
     digest = hashlib.sha256()
     for path in sorted(CSRC.iterdir()):  # every source and header, so none is forgotten
         digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()
+
+
+def _library_path(cxx: str, tier: str, openmp: bool) -> Path:
+    digest = hashlib.sha256(sources_digest().encode())
     digest.update(" ".join((cxx, *compile_flags(tier, openmp), platform.machine())).encode())
     suffix = "" if openmp else "-threads"
     return cache_dir() / f"libkvflow_cpu-{tier}{suffix}-{digest.hexdigest()[:16]}.so"

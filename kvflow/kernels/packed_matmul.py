@@ -9,8 +9,11 @@ inputs' quantization to 16-bit integers per block of the weight's group (2^-16 o
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
+import hashlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -136,11 +139,25 @@ OWN_SCALE_TYPES = (12, 13)
 SUPER_INPUTS = 256  # inputs per d and dmin of those types
 
 
+PACK_CACHE = None  # a loader/packed_cache.PackedCache while a load replays or records its pack calls
+
+
 def start_arena() -> None:
     """A fresh arena for one model's small weights: they then sit side by side from a huge-page boundary,
     in the order the load packs them (a step's reading order)."""
     global SMALL_WEIGHTS
     SMALL_WEIGHTS = HugePageArena()
+
+
+@contextlib.contextmanager
+def packing_through(cache) -> Iterator[None]:
+    """pack_gguf calls inside take their bytes from `cache` where it holds them, and give it the rest."""
+    global PACK_CACHE
+    PACK_CACHE = cache
+    try:
+        yield
+    finally:
+        PACK_CACHE = None
 
 
 def pack_gguf(parts: list[tuple[np.ndarray, int, torch.Tensor | None]], bits: int, group: int,
@@ -161,6 +178,13 @@ def pack_gguf(parts: list[tuple[np.ndarray, int, torch.Tensor | None]], bits: in
     own_scales = group == GROUP and not centre and k % SUPER_INPUTS == 0 and all(
         qtype in OWN_SCALE_TYPES for _, qtype, _ in parts)
     shape = (-(-n // COLUMNS), k // group, group * COLUMNS * bits // 8 + (32 if centre or own_scales else 64))
+    signature = [n, k, bits, group, centre, own_scales, [[qtype, *raw.shape, _order_digest(order)]
+                                                         for raw, (_, qtype, _), order in zip(arrays, parts, orders)]]
+    cached = None if PACK_CACHE is None else PACK_CACHE.take(signature)
+    if cached is not None:  # the same call's bytes from an earlier load, mapped (loader/packed_cache.py)
+        return None if not cached.ok else PackedWeight(
+            cached.data, n, k, bits, not centre, group, centre, super_scales=cached.supers,
+            on_huge_pages=True)  # stays on the file's pages: a copy would cost what the mapping saves
     nbytes = shape[0] * shape[1] * shape[2]
     # Written once, in place, on huge pages (a small weight on pages it shares): no copy onto them later.
     small = SMALL_WEIGHTS.zeros(nbytes)
@@ -169,9 +193,15 @@ def pack_gguf(parts: list[tuple[np.ndarray, int, torch.Tensor | None]], bits: in
     rc = abi.native().kvflow_pack_gguf(parts=structs, count=len(parts), k=k, bits=bits, block=group, centre=centre,
                                        out=data.data_ptr(), super_out=None if supers is None else supers.data_ptr(),
                                        num_threads=torch.get_num_threads())
+    if PACK_CACHE is not None:
+        PACK_CACHE.add(signature, rc == 0, data if rc == 0 else None, supers if rc == 0 else None)
     pw = PackedWeight(data, n, k, bits, not centre, group, centre,
                       on_huge_pages=small is not None or nbytes >= MIN_BYTES, super_scales=supers)
     return pw if rc == 0 else None
+
+
+def _order_digest(order: torch.Tensor | None) -> str | None:
+    return None if order is None else hashlib.blake2b(order.numpy().tobytes(), digest_size=8).hexdigest()
 
 
 def _inputs(raw: np.ndarray, qtype: int) -> int:
@@ -272,9 +302,15 @@ def refine_top(x: torch.Tensor, pw: PackedWeight, y: torch.Tensor, block_abs_sum
 def block_abs_sum(pw: PackedWeight) -> torch.Tensor:
     """float32 [k // group]: per block of inputs, the largest sum of |w| over an output row (refine_top's
     bound), in one threaded pass over the codes (no dequantized copy: an 8B model's head is 2 GB of floats)."""
+    signature = ["block_abs_sum", pw.n, pw.k, pw.bits, pw.group]  # of the weight packed just before
+    cached = None if PACK_CACHE is None else PACK_CACHE.take(signature)
+    if cached is not None:
+        return cached.data.view(torch.float32)
     out = torch.empty(pw.k // pw.group)
     abi.native().kvflow_packed_block_abs_sum(w=ctypes.byref(pw.struct), out=out.data_ptr(),
                                              num_threads=torch.get_num_threads())
+    if PACK_CACHE is not None:
+        PACK_CACHE.add(signature, True, out.view(torch.uint8), None)
     return out
 
 

@@ -17,6 +17,7 @@ import torch
 from kvflow.errors import ModelLoadError
 from kvflow.loader import gguf_file, hf_folder, quantized_loading
 from kvflow.loader.load_progress import LoadProgress, model_bytes
+from kvflow.loader.packed_cache import PackedCache
 from kvflow.loader.resolve import ResolvedModel
 from kvflow.loader.tokenizer import load_tokenizer
 from kvflow.models.arch import ArchConfig
@@ -61,10 +62,12 @@ def read_arch(files: ModelFiles) -> ArchConfig:
 
 
 def load_weights(files: ModelFiles, arch: ArchConfig, dtype: torch.dtype, quantization: str | None,
-                 device: torch.device, max_positions: int, sharder=None) -> torch.nn.Module:
+                 device: torch.device, max_positions: int, sharder=None,
+                 packed_cache: PackedCache | None = None) -> torch.nn.Module:
     """The model with its weights read: packed layers first (quantization "gguf": no float copy of them
-    is ever read), then every float tensor, then in-place quantization ("int8", "int4"). With a sharder
-    (tensor parallelism), arch is this rank's share and every tensor is cut to it as it is read."""
+    is ever read; from packed_cache where an earlier load wrote them), then every float tensor, then
+    in-place quantization ("int8", "int4"). With a sharder (tensor parallelism), arch is this rank's share
+    and every tensor is cut to it as it is read."""
     cls = model_class_for(arch)
     with default_dtype(dtype), torch.device(device):
         model = cls(arch, max_positions=max_positions)
@@ -78,7 +81,7 @@ def load_weights(files: ModelFiles, arch: ArchConfig, dtype: torch.dtype, quanti
                 raws = progress.track(files.raw_weights())
                 if sharder is not None:
                     raws = (cut for cut in map(sharder.narrow_raw, raws) if cut is not None)
-                packed = quantized_loading.pack_gguf(model, raws, dtype)
+                packed = quantized_loading.pack_gguf(model, raws, dtype, packed_cache)
             model.load_weights((name, t.to(device=device, dtype=dtype))
                                for name, t in progress.track(files.weights(packed)))
             quantized_loading.quantize_linears(model, quantization)

@@ -33,15 +33,25 @@ from kvflow.layers.quant.packed_linear import PackedLinear
 from kvflow.layers.quant.vocab import ExactTopLogits, PackedEmbedding
 from kvflow.loader import gguf_file
 from kvflow.loader.gguf_reader import release_pages
+from kvflow.loader.packed_cache import PackedCache
 from kvflow.models.moe import SparseMoE
 
 
-def pack_gguf(model: nn.Module, raw_tensors: Iterable[gguf_file.RawTensor], dtype: torch.dtype) -> set[str]:
+def pack_gguf(model: nn.Module, raw_tensors: Iterable[gguf_file.RawTensor], dtype: torch.dtype,
+              cache: PackedCache | None = None) -> set[str]:
     """Swap every Linear (and the token embedding) whose GGUF weights are packed types for packed layers.
 
     Returns the GGUF names consumed, for the float loader to skip. A fused layer (q/k/v, gate/up) is packed
     when all of its parts are packed types (as 8-bit codes where their widths differ); otherwise it loads as
-    float."""
+    float. With a cache (loader/packed_cache.py), packed bytes an earlier load wrote are mapped, not rebuilt."""
+    with packed_matmul.packing_through(cache):
+        consumed = _pack_all(model, raw_tensors, dtype)
+    if cache is not None:
+        cache.finish()
+    return consumed
+
+
+def _pack_all(model: nn.Module, raw_tensors: Iterable[gguf_file.RawTensor], dtype: torch.dtype) -> set[str]:
     raws = {r.hf_name.removeprefix("model."): r for r in raw_tensors}
     packed_matmul.start_arena()
     tied = model.arch.tie_word_embeddings

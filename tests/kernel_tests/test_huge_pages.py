@@ -115,12 +115,17 @@ def test_kv_cache_starts_untouched_and_on_huge_pages():
 # The GGUF's layers load as PackedLinear wherever the kernel library builds (every CPU tier); without a
 # C++ compiler they are PyTorch's int4 layers, which this move does not take.
 @pytest.mark.skipif(not packed_matmul.available(), reason="needs a C++ compiler to build the kernels")
-def test_loaded_packed_weights_are_on_huge_pages(fast_loaded):
+def test_loaded_packed_weights_are_on_huge_pages():
     """A weight of a huge page or more is packed straight into a huge-page buffer of its own; the smaller
     ones are packed side by side, in the order a step reads them, into one shared buffer (the load's
-    arena), so none is copied afterwards."""
-    packed = [m.packed for m in fast_loaded.model.modules() if isinstance(m, PackedLinear)]
-    assert len(packed) == 4 * fast_loaded.arch.num_layers + 1  # every layer's projections and the output head
+    arena), so none is copied afterwards. (A load that maps its weights from the packed-weight cache
+    keeps them on the file's pages instead: tests/loader/test_packed_cache.py.)"""
+    from kvflow.config import ModelConfig
+    from kvflow.executors.model_setup import load_model
+
+    loaded = load_model(ModelConfig(device="cpu", max_model_len=512, packed_cache="off"))
+    packed = [m.packed for m in loaded.model.modules() if isinstance(m, PackedLinear)]
+    assert len(packed) == 4 * loaded.arch.num_layers + 1  # every layer's projections and the output head
     small = [pw for pw in packed if pw.nbytes() < huge_pages.MIN_BYTES]
     large = [pw for pw in packed if pw.nbytes() >= huge_pages.MIN_BYTES]
     assert small and large  # the default model's projections, and its output head
