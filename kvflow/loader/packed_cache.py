@@ -76,8 +76,8 @@ class PackedCache:
         self.max_bytes = max_bytes
         self.stats = CacheStats()
         self._entries: list[_Entry] = []
-        self._replay: list[_Entry] | None = self._open()
         self.huge_page_share = 0.0  # of the mapped file, how much the kernel maps in 2 MiB pages
+        self._replay: list[_Entry] | None = self._open()
         self.writer: threading.Thread | None = None
 
     # ---- a load's pack calls --------------------------------------------------------------------------
