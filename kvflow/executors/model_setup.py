@@ -30,9 +30,8 @@ from kvflow.kernels import abi, packed_matmul
 from kvflow.layers.linear import Linear
 from kvflow.layers.quant.base import QuantLinear
 from kvflow.layers.quant.packed_linear import PackedLinear
-from kvflow.loader import packed_cache
 from kvflow.loader.model_loader import load_weights, open_model_files, read_arch, return_freed_memory
-from kvflow.loader.packed_cache import PackedCache
+from kvflow.loader.packed_cache import PackedCache, cache_key, default_folder
 from kvflow.loader.resolve import ResolvedModel, resolve_model
 from kvflow.models.arch import ArchConfig
 from kvflow.models.registry import model_class_for
@@ -141,10 +140,10 @@ def open_packed_cache(where: str, resolved: ResolvedModel, quantization: str | N
     """The packed-weight cache for a GGUF load whose weights stay packed, or None ("off", or nothing packed)."""
     if where == "off" or resolved.kind != "gguf" or quantization != "gguf" or not packed_matmul.available():
         return None
-    folder = packed_cache.default_folder() if where == "auto" else where
+    folder = default_folder() if where == "auto" else where
     shard = None if tp is None else (tp.rank, tp.world_size)
     try:
-        return PackedCache(folder, packed_cache.cache_key(resolved.path, shard))
+        return PackedCache(folder, cache_key(resolved.path, shard))
     except OSError as exc:
         log.warning("packed-weight cache %s unusable (%s): packing every load", folder, exc)
         return None

@@ -100,7 +100,7 @@ class PackedCache:
     def finish(self) -> None:
         """After the load's last pack call: keep the file (a whole replay) or write a new one."""
         replay = self._replay
-        if self.stats.packed == 0 and replay is not None and len(self._entries) == len(replay):
+        if replay is not None and len(self._entries) == len(replay):  # `add` ends a replay
             log.info("packed weights: %d of %d mapped from %s (%.0f%% on 2 MiB pages)", self.stats.hits,
                      len(replay), self.path, 100 * self.huge_page_share)
             _touch(self.path)
@@ -171,17 +171,19 @@ class PackedCache:
                     spec[name] = [offset, *t.shape]
                     offset += t.numel()
             specs.append(spec)
-        header = {"key": self.key, "entries": specs, "digest": _digest(specs), "data_start": 0, "size": 0}
-        # The header's own length moves the data's start: size it with room for the two numbers to grow.
-        header_len = len(json.dumps(header).encode()) + 64
+        # The header's length moves the data's start, and the offsets move with it: size the header with
+        # room for every offset and both totals to grow, then shift the offsets past it.
+        room = 20 * (2 + 2 * len(specs))  # up to 20 digits more per offset, for data_start and size
+        header_len = len(json.dumps({"key": self.key, "entries": specs, "digest": "0" * 32,
+                                     "data_start": 0, "size": 0}).encode()) + room
         data_start = _aligned(len(MAGIC) + 8 + header_len, HUGE_PAGE)
         for spec in specs:
             for name in ("data", "supers"):
                 if spec[name] is not None:
                     spec[name][0] += data_start
         total = _aligned(data_start + offset, ALIGN)
-        header.update(data_start=data_start, size=total)
-        header["digest"] = _digest(specs)
+        header = {"key": self.key, "entries": specs, "digest": _digest(specs), "data_start": data_start,
+                  "size": total}
         text = json.dumps(header).encode().ljust(header_len)
         tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
         try:
@@ -249,12 +251,13 @@ def _aligned(n: int, align: int) -> int:
 
 def _populate(t: torch.Tensor) -> None:
     """Map the file's pages now (from the page cache, or read from disk), not one fault at a time later."""
-    if t.numel():
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.madvise(ctypes.c_void_p(t.data_ptr() & ~(mmap.PAGESIZE - 1)), ctypes.c_size_t(t.numel()),
-                        MADV_POPULATE_READ) != 0:
-            libc.madvise(ctypes.c_void_p(t.data_ptr() & ~(mmap.PAGESIZE - 1)), ctypes.c_size_t(t.numel()),
-                         mmap.MADV_WILLNEED)
+    if not t.numel():
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    start, length = ctypes.c_void_p(t.data_ptr() & ~(mmap.PAGESIZE - 1)), ctypes.c_size_t(t.numel())
+    for advice in (MADV_POPULATE_READ, mmap.MADV_WILLNEED):  # the second before Linux 5.14: read-ahead only
+        if libc.madvise(start, length, advice) == 0:
+            return
 
 
 def _huge_page_share(address: int, nbytes: int) -> float:

@@ -18,6 +18,7 @@ from kvflow.kernels import packed_matmul
 from kvflow.layers.quant.packed_linear import PackedLinear
 from kvflow.loader.packed_cache import MAGIC, SUFFIX, PackedCache
 
+# The cache holds what the C++ packer writes; without a C++ compiler (CI has g++) nothing is packed or cached.
 pytestmark = pytest.mark.skipif(not packed_matmul.available(), reason="the packed kernels need a C++ compiler")
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."]
