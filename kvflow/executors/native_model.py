@@ -10,19 +10,38 @@ listed there until it is.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from torch import nn
 
 from kvflow.kernels import abi, packed_matmul, paged_attention
 from kvflow.layers.quant.packed_linear import PackedLinear
 from kvflow.layers.quant.vocab import ExactTopLogits, PackedEmbedding
+from kvflow.models.moe import SparseMoE
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")  # the order of KvflowDense's projection numbers
 
 
 def _projections(layer: nn.Module) -> tuple[nn.Module, ...]:
+    """The layer's packed projections in PROJECTIONS order; a MoE layer's are q/k/v and o (its experts are
+    described by KvflowMoE)."""
     a, mlp = layer.self_attn, layer.mlp
+    if isinstance(mlp, SparseMoE):
+        return a.qkv_proj, a.o_proj
     return a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+
+def _moe_unsupported(moe: SparseMoE) -> str | None:
+    experts = [p for e in moe.experts for p in (e.gate_up_proj, e.down_proj)]
+    if not all(isinstance(p, PackedLinear) and p.bias is None for p in experts):
+        return "some experts are not packed (PackedLinear without bias)"
+    router = moe.gate
+    if isinstance(router, PackedLinear):
+        return "the router has a bias" if router.bias is not None else None
+    if getattr(router, "bias", None) is not None or router.weight.dtype != torch.float32:
+        return "the router is not a float32 matrix without bias"
+    return None
 
 
 def _f32(t: torch.Tensor | None) -> int | None:
@@ -43,8 +62,6 @@ def reason_unsupported(model: nn.Module) -> str | None:
         return "not a Llama-family decoder"
     if len(model.arch.kv_group_windows) > 1:
         return "sliding-window layers beside global ones (the native decoder reads one block table)"
-    if model.arch.num_experts:
-        return "a mixture of experts (the native decoder runs dense MLPs)"
     if model.arch.rotary_dim != model.arch.head_dim:
         return "rotary on part of each head (the native decoder rotates whole heads)"
     if model.arch.hidden_act != "silu":
@@ -61,6 +78,8 @@ def reason_unsupported(model: nn.Module) -> str | None:
             return "some projections are not packed (PackedLinear)"
         if any(p.bias is not None for p in projections[1:]):
             return "a projection other than q/k/v has a bias"
+        if isinstance(layer.mlp, SparseMoE) and (reason := _moe_unsupported(layer.mlp)):
+            return reason
         a = layer.self_attn
         norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
         norms += [n.weight for n in (a.q_norm, a.k_norm) if n is not None]
@@ -77,11 +96,14 @@ class NativeModel:
         self.model = model
         arch, rotary = model.arch, model.rotary
         self.layers = (abi.KvflowDecoderLayer * arch.num_layers)()
+        self._moe: list = []  # each MoE layer's struct and expert arrays, kept alive: C holds their addresses
         for i, layer in enumerate(model.layers):
             a = layer.self_attn
-            qkv, o, gate_up, down = (p.packed.struct for p in _projections(layer))
+            qkv, o, *mlp = (p.packed.struct for p in _projections(layer))
+            gate_up, down = mlp or (abi.KvflowPackedWeight(), abi.KvflowPackedWeight())
             self.layers[i] = abi.KvflowDecoderLayer(
-                qkv=qkv, o=o, gate_up=gate_up, down=down, input_norm=_f32(layer.input_layernorm.weight),
+                qkv=qkv, o=o, gate_up=gate_up, down=down, moe=self._moe_struct(layer.mlp, arch),
+                input_norm=_f32(layer.input_layernorm.weight),
                 post_norm=_f32(layer.post_attention_layernorm.weight), qkv_bias=_f32(a.qkv_proj.bias),
                 q_norm=_f32(a.q_norm.weight if a.q_norm is not None else None),
                 k_norm=_f32(a.k_norm.weight if a.k_norm is not None else None),
@@ -106,10 +128,29 @@ class NativeModel:
             layers=self.layers,
         )
         # bfloat16 copies for many-row steps ([layer][projection] as W^T views), where the plan made them.
-        dense = [[p.dense_bf16 for p in _projections(layer)] for layer in model.layers]
-        self.dense_t = None if any(w is None for ws in dense for w in ws) else [[w.t() for w in ws] for ws in dense]
+        # (None with experts: they run on the packed kernel alone.)
+        dense = [[getattr(p, "dense_bf16", None) for p in _projections(layer)] for layer in model.layers]
+        self.dense_t = (None if self._moe or any(w is None for ws in dense for w in ws)
+                        else [[w.t() for w in ws] for ws in dense])
         self.bound: list | None = None  # the kv_caches list the structs point at
         self._held: list = []  # that list's tensors, so no freed cache's address comes back as another's
+
+    def _moe_struct(self, mlp: nn.Module, arch) -> object:
+        """A pointer to the KvflowMoE of a MoE layer's MLP, or None for a dense one."""
+        if not isinstance(mlp, SparseMoE):
+            return None
+        count = len(mlp.experts)
+        gate_up = (abi.KvflowPackedWeight * count)(*[e.gate_up_proj.packed.struct for e in mlp.experts])
+        down = (abi.KvflowPackedWeight * count)(*[e.down_proj.packed.struct for e in mlp.experts])
+        router = mlp.gate
+        packed_router = isinstance(router, PackedLinear)
+        moe = abi.KvflowMoE(num_experts=count, top_k=mlp.top_k, normalize=int(mlp.normalize),
+                            intermediate=arch.moe_intermediate_size,
+                            router=None if packed_router else _f32(router.weight),
+                            router_packed=router.packed.struct if packed_router else abi.KvflowPackedWeight(),
+                            gate_up=gate_up, down=down)
+        self._moe.append((moe, gate_up, down))
+        return ctypes.pointer(moe)
 
     @classmethod
     def for_model(cls, model: nn.Module) -> NativeModel | None:

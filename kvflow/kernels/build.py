@@ -29,7 +29,7 @@ log = logging.getLogger("kvflow")
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("tuning.cpp", "paged_attention.cpp", "packed_matmul.cpp", "packed_exact.cpp", "gguf_repack.cpp",
-           "decoder_forward.cpp", "prefill_attention_amx.cpp")
+           "decoder_forward.cpp", "moe_mlp.cpp", "prefill_attention_amx.cpp")
 COMMON_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-Wno-maybe-uninitialized")
 
 _X86_AVX2 = ("-mavx", "-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2", "-mpopcnt")

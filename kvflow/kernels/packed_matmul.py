@@ -325,17 +325,23 @@ def rows(pw: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
     return out.view(*ids.shape, pw.k)
 
 
-def matmul_many(x: torch.Tensor, weights: list[PackedWeight], input_bits: int = 16) -> torch.Tensor | None:
-    """Row i of the result = x[i] (or x[0] for every weight, when x has one row) @ weights[i]^T, float32
-    [len(weights), n] for weights of one n and k: several one-row matmuls in one thread team (a decode
-    token's experts), each row bitwise what `matmul` gives. None where the kernel does not take them."""
+def matmul_many(x: torch.Tensor, weights: list[PackedWeight], input_bits: int = 16,
+                rows: list[int] | None = None) -> torch.Tensor | None:
+    """Several weights of one n and k, each times its own rows of x, in one thread team (the experts a MoE
+    step's tokens chose): float32 [len(x), n], weight i's rows after weight i - 1's. rows None: one row
+    each, where x has one row per weight or a single row that every weight reads. Each row is bitwise what
+    `matmul` gives it. None where the kernel does not take them."""
     count, n = len(weights), weights[0].n
-    if x.dtype != torch.float32 or not x.is_contiguous() or x.shape[0] not in (1, count) or x.shape[1] != weights[0].k:
+    want = sum(rows) if rows is not None else count
+    shared = rows is None and x.shape[0] == 1
+    if (x.dtype != torch.float32 or not x.is_contiguous() or x.shape[1] != weights[0].k
+            or (x.shape[0] != want and not shared) or (rows is not None and len(rows) != count)):
         return None
     structs = (abi.KvflowPackedWeight * count)(*[pw.struct for pw in weights])
-    y = torch.empty(count, n)
-    rc = abi.native().kvflow_packed_matmul_many(w=structs, count=count, x=x.data_ptr(),
-                                                x_stride=0 if x.shape[0] == 1 else x.stride(0), y=y.data_ptr(),
+    counts = None if rows is None else (ctypes.c_int32 * count)(*rows)
+    y = torch.empty(want, n)
+    rc = abi.native().kvflow_packed_matmul_many(w=structs, count=count, rows=counts, x=x.data_ptr(),
+                                                x_stride=0 if shared else x.stride(0), y=y.data_ptr(),
                                                 y_stride=n, input_bits=input_bits, num_threads=torch.get_num_threads())
     return y if rc == 0 else None
 

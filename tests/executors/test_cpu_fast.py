@@ -217,12 +217,13 @@ def test_dense_many_row_steps_stay_as_close_to_float32_as_the_pytorch_layers(den
     assert dense_mean <= 1.5 * layers_mean + 2e-3, (dense_mean, layers_mean)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3_longrope", "mistral_window"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3_longrope", "mistral_window", "qwen3_moe", "mixtral"])
 @pytest.mark.usefixtures("sixteen_bit_inputs")
 def test_bias_and_head_norms_against_the_pytorch_layers(tiny_checkpoints, arch, native_steps, tmp_path):
-    """Qwen2's q/k/v bias, Qwen3's per-head q/k norms, LongRoPE's scaled rotary table and a sliding window
-    on every layer (int4-packed tiny models: a float32 embedding table and a float output head, which the
-    executor applies after the native call). 16-bit inputs throughout, as the PyTorch layers'."""
+    """Qwen2's q/k/v bias, Qwen3's per-head q/k norms, LongRoPE's scaled rotary table, a sliding window
+    on every layer, and mixtures of experts (Qwen3-MoE with a dense layer, without renormalized weights;
+    Mixtral with them) (int4-packed tiny models: a float32 embedding table and a float output head, which
+    the executor applies after the native call). 16-bit inputs throughout, as the PyTorch layers'."""
     folder = (make_tiny_checkpoint("mistral", tmp_path / "m", sliding_window=24) if arch == "mistral_window"
               else tiny_checkpoints[arch])
     loaded = load_model(ModelConfig(model=str(folder), device="cpu", quantization="int4"))
@@ -232,3 +233,20 @@ def test_bias_and_head_norms_against_the_pytorch_layers(tiny_checkpoints, arch, 
     assert native_steps[0] >= 24
     theirs = generate_without_native(loaded, prompts, kv_cache_memory=16 << 20)
     assert_close_outputs(ours, theirs, 3e-2)
+
+
+@pytest.mark.usefixtures("sixteen_bit_inputs")
+def test_native_experts_do_not_depend_on_the_batch(tiny_checkpoints, native_steps):
+    """The native decoder's MoE layers (csrc/moe_mlp.cpp) choose and sum a row's experts from that row
+    alone, and the grouped expert matmuls compute each row on its own: prompts alone, batched together and
+    prefilled 16 tokens at a time give the same greedy tokens, and logprobs that differ only by the float
+    output head's rounding (PyTorch's float32 matmul rounds by the rows in the call: 1e-5)."""
+    loaded = load_model(ModelConfig(model=str(tiny_checkpoints["qwen3_moe"]), device="cpu", quantization="int4"))
+    assert loaded.native is not None and loaded.native.dense_t is None
+    prompts = [{"prompt_token_ids": list(range(3 + i, 50 + 9 * i))} for i in range(4)]
+    alone = [make_llm(loaded, kv_cache_memory=16 << 20).generate([p], PARAMS)[0] for p in prompts]
+    steps_alone = native_steps[0]
+    together = make_llm(loaded, kv_cache_memory=16 << 20, max_num_batched_tokens=16,
+                        enable_prefix_caching=False).generate(prompts, PARAMS)
+    assert native_steps[0] - steps_alone >= 24 and native_steps[1] == 0
+    assert_close_outputs(alone, together, 1e-5)

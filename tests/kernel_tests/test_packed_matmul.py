@@ -135,3 +135,27 @@ def test_many_one_row_matmuls_in_one_call_are_each_a_matmul(shared_input):
     for i, pw in enumerate(weights):
         assert torch.equal(many[i], packed_matmul.matmul(x[0 if shared_input else i][None], pw)[0])
     assert packed_matmul.matmul_many(torch.randn(2, 256), weights) is None  # neither one row nor one each
+
+
+@pytest.mark.parametrize("input_bits", [16, 8])
+def test_grouped_matmuls_give_each_weight_its_own_rows(input_bits):
+    """matmul_many with rows per weight (a MoE step's experts, each on the rows that chose it): each row
+    bitwise the single matmul's, an expert with no rows skipped, on one thread and on the team."""
+    weights = [pack(codes(bits, 272, 256, seed=i)) for i, bits in enumerate([4, 8, 6, 4])]
+    rows = [3, 0, 17, 1]
+    x = torch.randn(sum(rows), 256)
+    threads = torch.get_num_threads()
+    for team in (1, 2):
+        torch.set_num_threads(team)
+        try:
+            many = packed_matmul.matmul_many(x, weights, input_bits, rows=rows)
+        finally:
+            torch.set_num_threads(threads)
+        assert many is not None
+        start = 0
+        for pw, m in zip(weights, rows):
+            if m:
+                want = packed_matmul.matmul(x[start : start + m], pw, input_bits=input_bits)
+                assert torch.equal(many[start : start + m], want)
+            start += m
+    assert packed_matmul.matmul_many(x[:-1], weights, rows=rows) is None  # fewer rows than the counts say

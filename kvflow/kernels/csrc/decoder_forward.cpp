@@ -18,10 +18,10 @@
 #include <vector>
 
 #include "kvflow_cpu.h"
+#include "moe_mlp.h"
 #include "row_ops.h"
+#include "row_team.h"
 #include "simd.h"
-#include "threads.h"
-#include "tuning.h"
 
 namespace {
 
@@ -32,15 +32,7 @@ struct Shape {
         q_size(m.num_heads * m.head_dim), kv_size(m.num_kv_heads * m.head_dim), qkv_size(q_size + 2 * kv_size) {}
 };
 
-// f(r) for every row, on the thread team once there are enough rows to share (the result is the same).
-template <typename F>
-void each_row(int rows, int num_threads, F&& f) {
-  if (num_threads <= 1 || rows < kvflow::tuning().parallel_min_rows) {
-    for (int r = 0; r < rows; ++r) f(r);
-    return;
-  }
-  kvflow::parallel(num_threads, [&](kvflow::Team& team) { team.for_static(rows, f); });
-}
+using kvflow::each_row;
 
 // One row's q/k/v after its matmul: widened to float32 (from a bfloat16 output), bias, per-head norms
 // and rotary, in place in `row`.
@@ -120,6 +112,10 @@ int packed_layers(const KvflowDecoder& m, const KvflowStep& step, const int64_t*
     if (kvflow_paged_attention(&layer.attention, &step, &qkv, b.attn.data(), s.q_size, 1, threads)) return -1;
     if (kvflow_packed_matmul(&layer.o, b.attn.data(), s.q_size, rows, b.proj.data(), s.h, bits, threads)) return -1;
     add_norm(b.proj.data(), layer.post_norm);
+    if (layer.moe) {
+      if (kvflow::moe_mlp(*layer.moe, b.normed.data(), s.h, rows, b.proj.data(), bits, threads)) return -1;
+      continue;
+    }
     if (kvflow_packed_matmul(&layer.gate_up, b.normed.data(), s.h, rows, b.gate_up.data(), 2 * s.inter, bits,
                              threads))
       return -1;
@@ -145,6 +141,8 @@ int dense_layers(const KvflowDecoder& m, const KvflowStep& step, const int64_t* 
   for (int i = 0; i < step.num_seqs; ++i)
     if (step.query_start[i + 1] - step.query_start[i] == 1) b.one_token_rows.push_back(step.query_start[i]);
   const uint16_t* delta = nullptr;  // the last matmul's output, not yet added to hidden
+  for (int l = 0; l < m.num_layers; ++l)
+    if (m.layers[l].moe) return -1;  // experts run on the packed kernel only
   for (int l = 0; l < m.num_layers; ++l) {
     const KvflowDecoderLayer& layer = m.layers[l];
     each_row(rows, threads, [&](int r) {

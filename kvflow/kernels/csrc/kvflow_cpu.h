@@ -60,12 +60,14 @@ int32_t kvflow_packed_matmul_path(void);
 int32_t kvflow_packed_matmul(const KvflowPackedWeight* w, const float* x, int64_t x_stride, int32_t m, float* y,
                              int64_t y_stride, int32_t input_bits, int32_t num_threads);
 
-// One input row for each of `count` weights (an array of structs, all of the same k and block): row i of y
-// (y_stride apart, at least each n) = row i of x (x_stride apart; 0: one row for all) @ w[i]^T, in one
-// thread team, each row bitwise what kvflow_packed_matmul gives it (a MoE token's experts). Returns 0, or
-// -1 for weights or shapes it does not take.
-int32_t kvflow_packed_matmul_many(const KvflowPackedWeight* w, int32_t count, const float* x, int64_t x_stride,
-                                  float* y, int64_t y_stride, int32_t input_bits, int32_t num_threads);
+// Several weights (an array of structs, all of the same k and block), each times its own rows, in one thread
+// team: weight i multiplies rows[i] consecutive rows of x (x_stride apart), those after weight i - 1's, into
+// the same rows of y (y_stride apart, at least each n); rows null: one row each, and x_stride 0: that one
+// row of x for every weight. Each row is bitwise what kvflow_packed_matmul gives it (the experts a MoE
+// layer's tokens chose). Returns 0, or -1 for weights or shapes it does not take.
+int32_t kvflow_packed_matmul_many(const KvflowPackedWeight* w, int32_t count, const int32_t* rows, const float* x,
+                                  int64_t x_stride, float* y, int64_t y_stride, int32_t input_bits,
+                                  int32_t num_threads);
 
 // For each row of y = x @ w^T from kvflow_packed_matmul with these input_bits: every output within two
 // error bounds of the row's largest is recomputed exactly (double sums over the stored codes), so the row's
@@ -161,8 +163,21 @@ int32_t kvflow_prefill_attention_bf16(const KvflowAttention* layer, const Kvflow
 
 // One layer, as its model file describes it (kvflow/models/llama.py): norm, q/k/v (optional bias and
 // per-head norms), rotary, attention, o, norm, gate/up, SiLU, down. The projections are packed.
+// A mixture-of-experts MLP (Qwen3-MoE, Mixtral), as kvflow/models/moe.py runs it: the router's logits,
+// softmax and top_k in double, the chosen weights renormalized (normalize) and rounded to float32; each
+// chosen expert is a gated MLP (gate/up fused, SiLU, down), and a row's output is the sum over its experts
+// in ascending expert order, from zero, of the expert's output times its weight.
+struct KvflowMoE {
+  int32_t num_experts, top_k, normalize, intermediate;
+  const float* router;               // [num_experts, hidden] float32, or null: router_packed
+  KvflowPackedWeight router_packed;  // a quantized file's router
+  const KvflowPackedWeight* gate_up;  // [num_experts]
+  const KvflowPackedWeight* down;     // [num_experts]
+};
+
 struct KvflowDecoderLayer {
   KvflowPackedWeight qkv, o, gate_up, down;  // q/k/v and gate/up fused along the output dim
+  const KvflowMoE* moe;  // or null: the dense gate_up and down
   const float* input_norm;
   const float* post_norm;
   const float* qkv_bias;  // or null

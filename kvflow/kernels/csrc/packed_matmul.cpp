@@ -123,21 +123,30 @@ extern "C" int32_t kvflow_packed_matmul(const KvflowPackedWeight* w, const float
   return 0;
 }
 
-extern "C" int32_t kvflow_packed_matmul_many(const KvflowPackedWeight* w, int32_t count, const float* x,
-                                             int64_t x_stride, float* y, int64_t y_stride, int32_t input_bits,
-                                             int32_t num_threads) {
+extern "C" int32_t kvflow_packed_matmul_many(const KvflowPackedWeight* w, int32_t count, const int32_t* rows,
+                                             const float* x, int64_t x_stride, float* y, int64_t y_stride,
+                                             int32_t input_bits, int32_t num_threads) {
   if (count <= 0) return count == 0 ? 0 : -1;
   const int64_t k = w[0].k;
   const int block = w[0].block;
   for (int i = 0; i < count; ++i)
     if (w[i].k != k || w[i].block != block || !kvflow::packed::valid_block(block) || k % block ||
-        !kvflow::packed::valid_bits(w[i].bits) || w[i].n > y_stride)
+        !kvflow::packed::valid_bits(w[i].bits) || w[i].n > y_stride || (rows && rows[i] < 0))
       return -1;
-  if (input_bits != 8 && input_bits != 16) return -1;
+  if ((input_bits != 8 && input_bits != 16) || (rows && x_stride == 0)) return -1;
   const bool eight = input_bits == 8;
   const int64_t nb = k / block;
-  // One input row per weight, quantized as kvflow_packed_matmul quantizes it (once, where all share it).
-  const int inputs = x_stride == 0 ? 1 : count;
+  // first_row[i]: where weight i's rows start; cost[i]: the work before weight i (column groups x rows).
+  thread_local std::vector<int64_t> first_row, cost;
+  first_row.assign(count + 1, 0);
+  cost.assign(count + 1, 0);
+  for (int i = 0; i < count; ++i) {
+    const int64_t m = rows ? rows[i] : 1;
+    first_row[i + 1] = first_row[i] + m;
+    cost[i + 1] = cost[i] + (w[i].n + 15) / 16 * m;
+  }
+  // Every input row quantized once, as kvflow_packed_matmul quantizes it (one row, where all share it).
+  const int64_t inputs = x_stride == 0 ? 1 : first_row[count];
   thread_local std::vector<int8_t> digits;
   thread_local std::vector<float> block_stats;
   digits.resize(static_cast<size_t>(2 * inputs) * k);
@@ -146,24 +155,28 @@ extern "C" int32_t kvflow_packed_matmul_many(const KvflowPackedWeight* w, int32_
   int8_t* lo = hi + static_cast<size_t>(inputs) * k;
   float* scale = block_stats.data();
   float* sum = scale + static_cast<size_t>(inputs) * nb;
-  quantize_inputs(x, x_stride, inputs, k, block, eight, hi, lo, scale, sum);
+  quantize_inputs(x, x_stride, static_cast<int>(inputs), k, block, eight, hi, lo, scale, sum);
   const Rows all{hi, eight ? nullptr : lo, k, scale, sum, nb};
-  // Column groups of every weight, end to end: each thread takes one contiguous share of them.
-  thread_local std::vector<int64_t> first_group;
-  first_group.assign(count + 1, 0);
-  for (int i = 0; i < count; ++i) first_group[i + 1] = first_group[i] + (w[i].n + 15) / 16;
-  const int64_t groups = first_group[count];
-  const int64_t* const starts = first_group.data();
-  const int team = groups * k >= 16 * 1024 ? num_threads : 1;
+  const int64_t total = cost[count];
+  const int64_t* const starts = cost.data();
+  const int64_t* const row0 = first_row.data();
+  const int team = total * k >= 16 * 1024 ? num_threads : 1;
   kvflow::parallel(team, [&](kvflow::Team& workers) {
+    // Each thread takes one contiguous share of the work; weight i's column groups split where the shares'
+    // ends fall in it (rounded up to whole groups), so every group runs on exactly one thread.
     const int t = workers.thread(), nt = workers.threads();
-    const int64_t lo_all = groups * t / nt, hi_all = groups * (t + 1) / nt;
+    const int64_t c_lo = total * t / nt, c_hi = total * (t + 1) / nt;
     for (int i = 0; i < count; ++i) {
-      const int64_t g_lo = lo_all > starts[i] ? lo_all - starts[i] : 0;
-      const int64_t g_hi = (hi_all < starts[i + 1] ? hi_all : starts[i + 1]) - starts[i];
+      const int64_t m = row0[i + 1] - row0[i], groups = (w[i].n + 15) / 16;
+      if (m == 0) continue;
+      auto group_at = [&](int64_t c) {
+        const int64_t g = (c - starts[i] + m - 1) / m;
+        return g < 0 ? 0 : g > groups ? groups : g;
+      };
+      const int64_t g_lo = group_at(c_lo), g_hi = group_at(c_hi);
       if (g_lo < g_hi)
-        kvflow::packed::run_groups<Kernel>(w[i], g_lo, g_hi, all.from(x_stride == 0 ? 0 : i), 1, y + i * y_stride,
-                                           y_stride);
+        kvflow::packed::run_groups<Kernel>(w[i], g_lo, g_hi, all.from(x_stride == 0 ? 0 : static_cast<int>(row0[i])),
+                                           static_cast<int>(m), y + row0[i] * y_stride, y_stride);
     }
   });
   return 0;
