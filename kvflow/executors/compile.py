@@ -32,8 +32,8 @@ WARMUP_TOKEN_COUNTS = (1, 2, 64)
 def should_compile(mode: str, native_decoder: bool, experts: bool = False) -> bool:
     """auto: compile in the fast CPU mode where the native decoder does not run the model (it has no
     PyTorch ops left to fuse). The exact mode never gets here: compiled reductions may round differently.
-    A mixture of experts runs eager: which experts a step runs depends on the data, which a full graph
-    cannot hold."""
+    A mixture of experts that the native decoder cannot run runs eager: which experts a step runs depends
+    on the data, which a full graph cannot hold."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
     if mode == "off" or experts:
