@@ -24,6 +24,7 @@ from kvflow.executors.model_setup import load_model, make_bf16_copies
 from kvflow.executors.native_model import NativeModel
 from kvflow.executors.thresholds import ROW_THRESHOLDS, RowThresholds
 from kvflow.kernels import abi, cpu_features, packed_matmul
+from kvflow.layers.quant import PackedLinear, quantize_weight
 
 # The native decoder needs the kernel library, which builds on every CPU tier but needs a C++ compiler.
 pytestmark = pytest.mark.skipif(not packed_matmul.available(), reason="needs a C++ compiler to build the kernels")
@@ -250,3 +251,24 @@ def test_native_experts_do_not_depend_on_the_batch(tiny_checkpoints, native_step
                         enable_prefix_caching=False).generate(prompts, PARAMS)
     assert native_steps[0] - steps_alone >= 24 and native_steps[1] == 0
     assert_close_outputs(alone, together, 1e-5)
+
+
+@pytest.mark.usefixtures("sixteen_bit_inputs")
+def test_a_packed_router_routes_as_the_pytorch_layers(tiny_checkpoints, native_steps):
+    """A quantized file's router (a PackedLinear; llama.cpp keeps routers float, other writers may not):
+    the native decoder multiplies it with 16-bit inputs, as PackedLinear does, so both pick the same
+    experts and give the same greedy text."""
+    loaded = load_model(ModelConfig(model=str(tiny_checkpoints["qwen3_moe"]), device="cpu", quantization="int4"))
+    moe_layers = [layer.mlp for layer in loaded.model.layers if hasattr(layer.mlp, "experts")]
+    assert moe_layers
+    for mlp in moe_layers:  # Q4_1-like codes: float16 scales and offsets, as a file has them
+        bq = quantize_weight(mlp.gate.weight, "int4", 32)
+        bq.scale, bq.offset = bq.scale.half().float(), bq.offset.half().float()
+        mlp.gate = PackedLinear(bq)
+    loaded.native = NativeModel.for_model(loaded.model)
+    assert loaded.native is not None and loaded.native._moe
+    prompts = [{"prompt_token_ids": list(range(3, 3 + 60))}, {"prompt_token_ids": list(range(150, 190))}]
+    ours = make_llm(loaded, kv_cache_memory=16 << 20).generate(prompts, PARAMS)
+    assert native_steps[0] >= 24
+    theirs = generate_without_native(loaded, prompts, kv_cache_memory=16 << 20)
+    assert_close_outputs(ours, theirs, 3e-2)
