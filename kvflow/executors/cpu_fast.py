@@ -45,10 +45,13 @@ class CpuFastExecutor(LayersExecutor):
             return super().execute(inputs)
         if native.bound is not self.kv_caches:
             native.bind(self.kv_caches)
-        step = abi.KvflowStep(slots=meta.slot_mapping.data_ptr(), query_start=meta.query_start_loc.data_ptr(),
-                              seq_lens=meta.seq_lens.data_ptr(), block_tables=meta.block_tables.data_ptr(),
-                              table_stride=meta.block_tables.stride(0), num_seqs=len(meta.seq_lens_cpu),
-                              num_tokens=rows)
+        # One step struct per KV group (sliding-window layers beside global ones keep their own blocks).
+        groups = [meta] + (meta.group_metas or [])
+        steps = (abi.KvflowStep * len(groups))(*[
+            abi.KvflowStep(slots=g.slot_mapping.data_ptr(), query_start=g.query_start_loc.data_ptr(),
+                           seq_lens=g.seq_lens.data_ptr(), block_tables=g.block_tables.data_ptr(),
+                           table_stride=g.block_tables.stride(0), num_seqs=len(meta.seq_lens_cpu), num_tokens=rows)
+            for g in groups])
         # How to multiply is chosen by the rows without drafts: a verified token is then computed exactly as
         # the plain decode step it replaces (the kernels compute each row on its own).
         plain_rows = rows - inputs.num_draft_rows
@@ -64,7 +67,7 @@ class CpuFastExecutor(LayersExecutor):
         picked = inputs.logits_indices
         logits = torch.empty(picked.shape[0], self.vocab_size) if native.head_packed else hidden
         rc = self.forward_native(
-            model=ctypes.byref(native.struct), step=ctypes.byref(step), ids=inputs.input_ids.data_ptr(),
+            model=ctypes.byref(native.struct), step=steps, ids=inputs.input_ids.data_ptr(),
             positions=inputs.positions.data_ptr(), rows=rows, dense=None if dense is None else ctypes.byref(dense),
             input_bits=8 if eight_bit else 16,
             logit_rows=picked.data_ptr(), num_logits=picked.shape[0] if native.head_packed else 0,
@@ -73,6 +76,8 @@ class CpuFastExecutor(LayersExecutor):
         if rc != 0:
             raise self._failure(rc, native)
         if native.head_packed:
+            if native.final_softcap:  # as the model's compute_logits caps them (Gemma 2)
+                logits = native.final_softcap * torch.tanh(logits / native.final_softcap)
             return logits
         return self.model.compute_logits(hidden[picked]).float()
 

@@ -21,6 +21,21 @@ from kvflow.layers.quant.vocab import ExactTopLogits, PackedEmbedding
 from kvflow.models.moe import SparseMoE
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")  # the order of KvflowDense's projection numbers
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # the gated MLP's, as KvflowDecoder.activation numbers them
+
+
+def _rotary_tables(model: nn.Module) -> list[torch.Tensor]:
+    tables = [model.rotary.cos, model.rotary.sin]
+    local = getattr(model, "local_rotary", None)  # Gemma 3's sliding layers
+    return tables + ([local.cos, local.sin] if local is not None else [])
+
+
+def _layer_rotary(model: nn.Module, layer: nn.Module) -> tuple[int | None, int | None]:
+    """The layer's own rotary table (cos, sin addresses), where it is not the model's."""
+    local = getattr(model, "local_rotary", None)
+    if local is None or not layer.self_attn.window:
+        return None, None
+    return _f32(local.cos), _f32(local.sin)
 
 
 def _projections(layer: nn.Module) -> tuple[nn.Module, ...]:
@@ -60,13 +75,11 @@ def reason_unsupported(model: nn.Module) -> str | None:
         return "the packed-matmul kernel is not available"
     if not hasattr(model, "layers") or not hasattr(model, "rotary"):
         return "not a Llama-family decoder"
-    if len(model.arch.kv_group_windows) > 1:
-        return "sliding-window layers beside global ones (the native decoder reads one block table)"
     if model.arch.rotary_dim != model.arch.head_dim:
         return "rotary on part of each head (the native decoder rotates whole heads)"
-    if model.arch.hidden_act != "silu":
-        return f"activation {model.arch.hidden_act!r} (the native decoder runs SiLU)"
-    if model.rotary.cos.dtype != torch.float32 or model.rotary.cos.device.type != "cpu":
+    if model.arch.hidden_act not in ACTIVATIONS:
+        return f"activation {model.arch.hidden_act!r} (the native decoder runs {', '.join(ACTIVATIONS)})"
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in _rotary_tables(model)):
         return "the model is not float32 on CPU"
     if not isinstance(model.embed_tokens, PackedEmbedding | nn.Embedding):
         return "the token embedding is neither packed nor a float table"
@@ -81,8 +94,7 @@ def reason_unsupported(model: nn.Module) -> str | None:
         if isinstance(layer.mlp, SparseMoE) and (reason := _moe_unsupported(layer.mlp)):
             return reason
         a = layer.self_attn
-        norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-        norms += [n.weight for n in (a.q_norm, a.k_norm) if n is not None]
+        norms = [n.weight for n in (*layer.norms(), a.q_norm, a.k_norm) if n is not None]
         if any(t.dtype != torch.float32 for t in norms):
             return "norm weights are not float32"
     return None
@@ -101,10 +113,14 @@ class NativeModel:
             a = layer.self_attn
             qkv, o, *mlp = (p.packed.struct for p in _projections(layer))
             gate_up, down = mlp or (abi.KvflowPackedWeight(), abi.KvflowPackedWeight())
+            before_attn, before_mlp, attn_out, mlp_out = layer.norms()
+            cos, sin = _layer_rotary(model, layer)
             self.layers[i] = abi.KvflowDecoderLayer(
                 qkv=qkv, o=o, gate_up=gate_up, down=down, moe=self._moe_struct(layer.mlp, arch),
-                input_norm=_f32(layer.input_layernorm.weight),
-                post_norm=_f32(layer.post_attention_layernorm.weight), qkv_bias=_f32(a.qkv_proj.bias),
+                input_norm=_f32(before_attn.weight), post_norm=_f32(before_mlp.weight),
+                attn_out_norm=_f32(attn_out.weight if attn_out is not None else None),
+                mlp_out_norm=_f32(mlp_out.weight if mlp_out is not None else None),
+                cos=cos, sin=sin, kv_group=a.kv_group, qkv_bias=_f32(a.qkv_proj.bias),
                 q_norm=_f32(a.q_norm.weight if a.q_norm is not None else None),
                 k_norm=_f32(a.k_norm.weight if a.k_norm is not None else None),
                 attention=abi.KvflowAttention(num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
@@ -125,8 +141,10 @@ class NativeModel:
             embedding_f32=None if isinstance(embed, PackedEmbedding) else _f32(embed.weight),
             head=head.packed.packed.struct if self.head_packed else abi.KvflowPackedWeight(),
             head_abs_sum=_f32(head.packed._block_abs_sum) if self.head_packed else None,
-            layers=self.layers,
+            layers=self.layers, activation=ACTIVATIONS[arch.hidden_act],
+            embed_scale=getattr(model, "embed_scale", 0.0),
         )
+        self.final_softcap = float(getattr(model, "final_softcap", 0.0))  # Gemma 2's, on the packed head's logits
         # bfloat16 copies for many-row steps ([layer][projection] as W^T views), where the plan made them.
         # (None with experts: they run on the packed kernel alone.)
         dense = [[getattr(p, "dense_bf16", None) for p in _projections(layer)] for layer in model.layers]

@@ -41,6 +41,11 @@ class GemmaDecoderLayer(nn.Module):
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos_sin))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
+    def norms(self) -> tuple[nn.Module, nn.Module, nn.Module | None, nn.Module | None]:
+        """As DecoderLayer.norms: Gemma's four."""
+        return (self.input_layernorm, self.pre_feedforward_layernorm, self.post_attention_layernorm,
+                self.post_feedforward_layernorm)
+
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
     decoder_layer = GemmaDecoderLayer

@@ -87,6 +87,11 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos_sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def norms(self) -> tuple[nn.Module, nn.Module, nn.Module | None, nn.Module | None]:
+        """(before attention, before the MLP, on attention's output, on the MLP's output): what the native
+        decoder's layer struct is told; None where the layer has no such norm."""
+        return self.input_layernorm, self.post_attention_layernorm, None, None
+
 
 class LlamaForCausalLM(nn.Module):
     # Checkpoint tensors that we store fused: (our parameter, the checkpoint's name, shard index).

@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_helpers import PROMPTS, make_llm
+from gguf_files import requantize
+from hf_to_gguf import hf_to_gguf
 from tiny_models import make_tiny_checkpoint
 
 from kvflow import SamplingParams
@@ -218,13 +220,16 @@ def test_dense_many_row_steps_stay_as_close_to_float32_as_the_pytorch_layers(den
     assert dense_mean <= 1.5 * layers_mean + 2e-3, (dense_mean, layers_mean)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3_longrope", "mistral_window", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3_longrope", "mistral_window", "qwen3_moe", "mixtral",
+                                  "gemma2", "gemma3"])
 @pytest.mark.usefixtures("sixteen_bit_inputs")
 def test_bias_and_head_norms_against_the_pytorch_layers(tiny_checkpoints, arch, native_steps, tmp_path):
     """Qwen2's q/k/v bias, Qwen3's per-head q/k norms, LongRoPE's scaled rotary table, a sliding window
-    on every layer, and mixtures of experts (Qwen3-MoE with a dense layer, without renormalized weights;
-    Mixtral with them) (int4-packed tiny models: a float32 embedding table and a float output head, which
-    the executor applies after the native call). 16-bit inputs throughout, as the PyTorch layers'."""
+    on every layer, mixtures of experts (Qwen3-MoE with a dense layer, without renormalized weights;
+    Mixtral with them), and Gemma (GeGLU, four norms a layer, the scaled embedding, sliding-window layers
+    beside global ones in KV groups of their own, Gemma 2's soft-caps, Gemma 3's local rotary) (int4-packed
+    tiny models: a float32 embedding table and a float output head, which the executor applies after the
+    native call). 16-bit inputs throughout, as the PyTorch layers'."""
     folder = (make_tiny_checkpoint("mistral", tmp_path / "m", sliding_window=24) if arch == "mistral_window"
               else tiny_checkpoints[arch])
     loaded = load_model(ModelConfig(model=str(folder), device="cpu", quantization="int4"))
@@ -272,3 +277,65 @@ def test_a_packed_router_routes_as_the_pytorch_layers(tiny_checkpoints, native_s
     assert native_steps[0] >= 24
     theirs = generate_without_native(loaded, prompts, kv_cache_memory=16 << 20)
     assert_close_outputs(ours, theirs, 3e-2)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+@pytest.mark.usefixtures("sixteen_bit_inputs")
+def test_gemma_file_with_a_packed_head_against_the_pytorch_layers(arch, native_steps, tmp_path, monkeypatch):
+    """A Gemma GGUF file re-quantized to Q8_0 (as llama.cpp's converter lays it out): the tied head packed,
+    so the native decoder computes the logits and the executor soft-caps them (Gemma 2) as the model does.
+    Then prompts prefilled natively and decoded by the PyTorch layers: each reads the K/V the other wrote,
+    which holds only where the native decoder keeps each KV group's slots and block tables."""
+    folder = make_tiny_checkpoint(arch, tmp_path / arch, **({"query_pre_attn_scalar": 16} if arch == "gemma2" else {}))
+    q8 = requantize(hf_to_gguf(folder, tmp_path / f"{arch}.gguf"), tmp_path / "q8.gguf",
+                    lambda name: "Q8_0" if name.endswith(".weight") else None)
+    loaded = load_model(ModelConfig(model=str(q8), device="cpu", max_model_len=512))
+    assert loaded.native is not None and loaded.native.head_packed
+    assert (loaded.native.final_softcap > 0) == (arch == "gemma2")
+    prompts = [{"prompt_token_ids": list(range(3, 3 + 90))}, {"prompt_token_ids": list(range(200, 270))}]
+    ours = make_llm(loaded, kv_cache_memory=16 << 20).generate(prompts, PARAMS)
+    assert native_steps[0] >= 24
+    theirs = generate_without_native(loaded, prompts, kv_cache_memory=16 << 20)
+    assert_close_outputs(ours, theirs, 3e-2)
+
+    execute = CpuFastExecutor.execute
+
+    def prompts_natively(self, inputs):
+        if inputs.input_ids.shape[0] > inputs.num_decode_rows:
+            return execute(self, inputs)
+        saved, self.native = self.native, None
+        try:
+            return execute(self, inputs)
+        finally:
+            self.native = saved
+
+    monkeypatch.setattr(CpuFastExecutor, "execute", prompts_natively)
+    mixed = make_llm(loaded, kv_cache_memory=16 << 20).generate(prompts, PARAMS)
+    assert_close_outputs(mixed, theirs, 3e-2)
+
+
+@needs_bf16
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_prompts_on_the_dense_path_against_the_pytorch_layers(tiny_checkpoints, arch, native_steps):
+    """Gemma's output norms on the dense path (bfloat16 matmul outputs normed in float32 before the
+    residual add): a 90-row prompt step natively on bfloat16 copies and through the PyTorch layers on the
+    same copies give the first token's top logprobs within bfloat16's rounding (0.1 nats)."""
+    loaded = load_model(ModelConfig(model=str(tiny_checkpoints[arch]), device="cpu", quantization="int4"))
+    make_bf16_copies(loaded.model, ROW_THRESHOLDS.layers_dense_min_rows)
+    loaded.native = NativeModel.for_model(loaded.model)
+    assert loaded.native.dense_t is not None
+    prompts = [{"prompt_token_ids": list(range(3, 3 + 90))}, {"prompt_token_ids": list(range(200, 290))}]
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    options = dict(kv_cache_memory=16 << 20, enable_prefix_caching=False)
+    ours = make_llm(loaded, **options).generate(prompts, params)
+    assert native_steps[1] >= 1
+    saved, loaded.native = loaded.native, None
+    try:
+        theirs = make_llm(loaded, **options).generate(prompts, params)
+    finally:
+        loaded.native = saved
+    for a, b in zip(ours, theirs):
+        lp_a, lp_b = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
+        shared = lp_a.keys() & lp_b.keys()
+        assert len(shared) >= 3
+        assert max(abs(lp_a[t].logprob - lp_b[t].logprob) for t in shared) < 0.1

@@ -47,8 +47,8 @@ void finish_qkv(const KvflowDecoder& m, const KvflowDecoderLayer& layer, const S
     kvflow::rms_norm(row, layer.q_norm, row, s.hq, s.d, m.eps);
     kvflow::rms_norm(row + s.q_size, layer.k_norm, row + s.q_size, s.hkv, s.d, m.eps);
   }
-  const float* cos = m.cos + position * s.d;
-  const float* sin = m.sin + position * s.d;
+  const float* cos = (layer.cos ? layer.cos : m.cos) + position * s.d;
+  const float* sin = (layer.sin ? layer.sin : m.sin) + position * s.d;
   kvflow::rotate(row, s.hq, s.d, cos, sin);
   kvflow::rotate(row + s.q_size, s.hkv, s.d, cos, sin);
 }
@@ -70,6 +70,14 @@ void add_norm_row(float* x, const Delta* delta, const float* weight, int width, 
   for (; j < width; ++j) kvflow::narrow(x[j] * inv * weight[j], out + j);
 }
 
+// Gemma's norm of a sublayer's output before the residual add: row = rms_norm(widen(src)) * weight.
+template <typename In>
+void norm_output_row(const In* src, const float* weight, int width, float eps, float* row) {
+  if constexpr (!std::is_same_v<In, float>)
+    for (int j = 0; j < width; ++j) row[j] = kvflow::widen(src[j]);
+  kvflow::rms_norm(std::is_same_v<In, float> ? reinterpret_cast<const float*>(src) : row, weight, row, 1, width, eps);
+}
+
 struct Buffers {
   std::vector<float> normed, qkv, attn, proj, gate_up, act;
   std::vector<int> one_token_rows;
@@ -88,7 +96,7 @@ Buffers& buffers(const Shape& s, int rows) {
 }
 
 // Every layer on the packed kernel, float32 throughout.
-int packed_layers(const KvflowDecoder& m, const KvflowStep& step, const int64_t* positions, int rows, float* hidden,
+int packed_layers(const KvflowDecoder& m, const KvflowStep* steps, const int64_t* positions, int rows, float* hidden,
                   int bits, int threads) {
   const Shape s(m);
   Buffers& b = buffers(s, rows);
@@ -97,6 +105,13 @@ int packed_layers(const KvflowDecoder& m, const KvflowStep& step, const int64_t*
     each_row(rows, threads, [&](int r) {
       const int64_t at = static_cast<int64_t>(r) * s.h;
       add_norm_row(hidden + at, delta ? delta + at : nullptr, weight, s.h, m.eps, b.normed.data() + at);
+    });
+  };
+  auto norm_outputs = [&](const float* weight) {  // proj = norm(proj), per row (Gemma's output norms)
+    if (!weight) return;
+    each_row(rows, threads, [&](int r) {
+      float* row = b.proj.data() + static_cast<int64_t>(r) * s.h;
+      norm_output_row(row, weight, s.h, m.eps, row);
     });
   };
   for (int l = 0; l < m.num_layers; ++l) {
@@ -109,11 +124,14 @@ int packed_layers(const KvflowDecoder& m, const KvflowStep& step, const int64_t*
     });
     const float* q = b.qkv.data();
     const KvflowRows qkv{q, s.qkv_size, q + s.q_size, s.qkv_size, q + s.q_size + s.kv_size, s.qkv_size};
-    if (kvflow_paged_attention(&layer.attention, &step, &qkv, b.attn.data(), s.q_size, 1, threads)) return -1;
+    if (kvflow_paged_attention(&layer.attention, &steps[layer.kv_group], &qkv, b.attn.data(), s.q_size, 1, threads))
+      return -1;
     if (kvflow_packed_matmul(&layer.o, b.attn.data(), s.q_size, rows, b.proj.data(), s.h, bits, threads)) return -1;
+    norm_outputs(layer.attn_out_norm);
     add_norm(b.proj.data(), layer.post_norm);
     if (layer.moe) {
       if (kvflow::moe_mlp(*layer.moe, b.normed.data(), s.h, rows, b.proj.data(), bits, threads)) return -1;
+      norm_outputs(layer.mlp_out_norm);
       continue;
     }
     if (kvflow_packed_matmul(&layer.gate_up, b.normed.data(), s.h, rows, b.gate_up.data(), 2 * s.inter, bits,
@@ -121,9 +139,11 @@ int packed_layers(const KvflowDecoder& m, const KvflowStep& step, const int64_t*
       return -1;
     each_row(rows, threads, [&](int r) {
       const float* gu = b.gate_up.data() + static_cast<int64_t>(r) * 2 * s.inter;
-      kvflow::silu_mul(gu, gu + s.inter, b.act.data() + static_cast<int64_t>(r) * s.inter, s.inter);
+      kvflow::gated_activation(m.activation, gu, gu + s.inter, b.act.data() + static_cast<int64_t>(r) * s.inter,
+                               s.inter);
     });
     if (kvflow_packed_matmul(&layer.down, b.act.data(), s.inter, rows, b.proj.data(), s.h, bits, threads)) return -1;
+    norm_outputs(layer.mlp_out_norm);
   }
   each_row(rows, threads, [&](int r) {
     const int64_t at = static_cast<int64_t>(r) * s.h;
@@ -133,21 +153,26 @@ int packed_layers(const KvflowDecoder& m, const KvflowStep& step, const int64_t*
 }
 
 // Every layer on dense bfloat16 copies through dense.matmul; attention as the file's head says.
-int dense_layers(const KvflowDecoder& m, const KvflowStep& step, const int64_t* positions, int rows, float* hidden,
+int dense_layers(const KvflowDecoder& m, const KvflowStep* steps, const int64_t* positions, int rows, float* hidden,
                  const KvflowDense& dense, int threads) {
   const Shape s(m);
   Buffers& b = buffers(s, rows);
   b.one_token_rows.clear();
-  for (int i = 0; i < step.num_seqs; ++i)
-    if (step.query_start[i + 1] - step.query_start[i] == 1) b.one_token_rows.push_back(step.query_start[i]);
+  const KvflowStep& queries = steps[0];  // every group's step has the same queries
+  for (int i = 0; i < queries.num_seqs; ++i)
+    if (queries.query_start[i + 1] - queries.query_start[i] == 1) b.one_token_rows.push_back(queries.query_start[i]);
   const uint16_t* delta = nullptr;  // the last matmul's output, not yet added to hidden
+  const float* normed_delta = nullptr;  // or, after a Gemma output norm, that output normed (float32)
   for (int l = 0; l < m.num_layers; ++l)
     if (m.layers[l].moe) return -1;  // experts run on the packed kernel only
   for (int l = 0; l < m.num_layers; ++l) {
     const KvflowDecoderLayer& layer = m.layers[l];
     each_row(rows, threads, [&](int r) {
       const int64_t at = static_cast<int64_t>(r) * s.h;
-      add_norm_row(hidden + at, delta ? delta + at : nullptr, layer.input_norm, s.h, m.eps, dense.normed + at);
+      if (normed_delta)
+        add_norm_row(hidden + at, normed_delta + at, layer.input_norm, s.h, m.eps, dense.normed + at);
+      else
+        add_norm_row(hidden + at, delta ? delta + at : nullptr, layer.input_norm, s.h, m.eps, dense.normed + at);
     });
     if (dense.matmul(dense.context, l, 0, rows)) return -3;
     each_row(rows, threads, [&](int r) {
@@ -158,6 +183,7 @@ int dense_layers(const KvflowDecoder& m, const KvflowStep& step, const int64_t* 
     const KvflowRows qkv{q, s.qkv_size, q + s.q_size, s.qkv_size, q + s.q_size + s.kv_size, s.qkv_size};
     const bool tiles = dense.prompt_attention_bf16 != 0;
     // Stores every row's K/V; attends the one-token rows (all rows without the tile kernel).
+    const KvflowStep& step = steps[layer.kv_group];
     if (kvflow_paged_attention(&layer.attention, &step, &qkv, b.attn.data(), s.q_size, tiles ? 0 : 1, threads))
       return -1;
     if (tiles) {
@@ -174,19 +200,36 @@ int dense_layers(const KvflowDecoder& m, const KvflowStep& step, const int64_t* 
     if (dense.matmul(dense.context, l, 1, rows)) return -3;
     each_row(rows, threads, [&](int r) {
       const int64_t at = static_cast<int64_t>(r) * s.h;
-      add_norm_row(hidden + at, dense.proj + at, layer.post_norm, s.h, m.eps, dense.normed + at);
+      if (layer.attn_out_norm) {
+        norm_output_row(dense.proj + at, layer.attn_out_norm, s.h, m.eps, b.proj.data() + at);
+        add_norm_row(hidden + at, b.proj.data() + at, layer.post_norm, s.h, m.eps, dense.normed + at);
+      } else {
+        add_norm_row(hidden + at, dense.proj + at, layer.post_norm, s.h, m.eps, dense.normed + at);
+      }
     });
     if (dense.matmul(dense.context, l, 2, rows)) return -3;
     each_row(rows, threads, [&](int r) {
       const uint16_t* gu = dense.gate_up + static_cast<int64_t>(r) * 2 * s.inter;
-      kvflow::silu_mul(gu, gu + s.inter, dense.act + static_cast<int64_t>(r) * s.inter, s.inter);
+      kvflow::gated_activation(m.activation, gu, gu + s.inter, dense.act + static_cast<int64_t>(r) * s.inter,
+                               s.inter);
     });
     if (dense.matmul(dense.context, l, 3, rows)) return -3;
     delta = dense.proj;
+    normed_delta = nullptr;
+    if (layer.mlp_out_norm) {
+      each_row(rows, threads, [&](int r) {
+        const int64_t at = static_cast<int64_t>(r) * s.h;
+        norm_output_row(dense.proj + at, layer.mlp_out_norm, s.h, m.eps, b.proj.data() + at);
+      });
+      normed_delta = b.proj.data();
+    }
   }
   each_row(rows, threads, [&](int r) {
     const int64_t at = static_cast<int64_t>(r) * s.h;
-    add_norm_row(hidden + at, delta ? delta + at : nullptr, m.final_norm, s.h, m.eps, hidden + at);
+    if (normed_delta)
+      add_norm_row(hidden + at, normed_delta + at, m.final_norm, s.h, m.eps, hidden + at);
+    else
+      add_norm_row(hidden + at, delta ? delta + at : nullptr, m.final_norm, s.h, m.eps, hidden + at);
   });
   return 0;
 }
@@ -208,8 +251,10 @@ extern "C" int32_t kvflow_decoder_forward(const KvflowDecoder* model, const Kvfl
     for (int r = 0; r < rows; ++r)
       std::memcpy(hidden + static_cast<int64_t>(r) * m.hidden, m.embedding_f32 + ids[r] * m.hidden, sizeof(float) * m.hidden);
   }
-  const int rc = dense ? dense_layers(m, *step, positions, rows, hidden, *dense, num_threads)
-                       : packed_layers(m, *step, positions, rows, hidden, input_bits, num_threads);
+  if (m.embed_scale != 0.f)
+    for (int64_t i = 0; i < static_cast<int64_t>(rows) * m.hidden; ++i) hidden[i] *= m.embed_scale;
+  const int rc = dense ? dense_layers(m, step, positions, rows, hidden, *dense, num_threads)
+                       : packed_layers(m, step, positions, rows, hidden, input_bits, num_threads);
   if (rc || num_logits == 0 || !m.head.data) return rc;
   thread_local std::vector<float> picked;  // the sampled rows, side by side
   picked.resize(static_cast<size_t>(num_logits) * m.hidden);

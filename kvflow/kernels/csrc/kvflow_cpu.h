@@ -179,10 +179,15 @@ struct KvflowDecoderLayer {
   KvflowPackedWeight qkv, o, gate_up, down;  // q/k/v and gate/up fused along the output dim
   const KvflowMoE* moe;  // or null: the dense gate_up and down
   const float* input_norm;
-  const float* post_norm;
+  const float* post_norm;      // the norm before the MLP
+  const float* attn_out_norm;  // Gemma: the attention's output normed before the residual add, or null
+  const float* mlp_out_norm;   // Gemma: the MLP's output, likewise, or null
   const float* qkv_bias;  // or null
-  const float* q_norm;    // per-head norms (Qwen3), or null
+  const float* q_norm;    // per-head norms (Qwen3, Gemma 3), or null
   const float* k_norm;
+  const float* cos;  // this layer's rotary table [max_positions, head_dim] (Gemma 3's sliding layers have
+  const float* sin;  // their own), or null: the model's
+  int32_t kv_group;  // the step (of kvflow_decoder_forward's, one per KV group) whose slots and tables it uses
   KvflowAttention attention;
 };
 
@@ -215,14 +220,18 @@ struct KvflowDecoder {
   KvflowPackedWeight head;       // the output projection, packed; or data null (the caller projects)
   const float* head_abs_sum;     // the head's block_abs_sum (kvflow_packed_refine_top), or null
   const KvflowDecoderLayer* layers;
+  int32_t activation;  // the gated MLP's: 0 SiLU, 1 GELU with the tanh approximation (Gemma)
+  float embed_scale;   // token embeddings times this (Gemma: sqrt(hidden)), or 0: as they are
 };
 
 // One step: token ids -> final-norm hidden states [rows, hidden] (hidden) and, when the head is packed,
-// the logits of rows logit_rows[0 .. num_logits) into logits [num_logits, vocab], their best entries
-// recomputed exactly. dense: null, or the many-row matmuls' buffers. input_bits: 16 or 8, how finely the
-// packed matmuls (the head's included) quantize their inputs (kvflow_packed_matmul). Returns 0; -1 for a weight or shape
-// a kernel refused; -2 for a position past the rotary table and -4 for a token id outside the vocabulary
-// (both before anything is written); -3 when dense->matmul failed.
+// the logits of rows logit_rows[0 .. num_logits) into logits [num_logits, vocab] (before any soft-cap: the
+// caller applies Gemma 2's), their best entries recomputed exactly. step: one KvflowStep per KV group (the
+// same queries, each group's own slots and block tables; layer.kv_group picks). dense: null, or the
+// many-row matmuls' buffers. input_bits: 16 or 8, how finely the packed matmuls (the head's included)
+// quantize their inputs (kvflow_packed_matmul). Returns 0; -1 for a weight or shape a kernel refused; -2
+// for a position past the rotary table and -4 for a token id outside the vocabulary (both before anything
+// is written); -3 when dense->matmul failed.
 int32_t kvflow_decoder_forward(const KvflowDecoder* model, const KvflowStep* step, const int64_t* ids,
                                const int64_t* positions, int32_t rows, const KvflowDense* dense,
                                int32_t input_bits, const int64_t* logit_rows, int32_t num_logits, float* logits,

@@ -62,4 +62,34 @@ inline void silu_mul(const In* gate, const In* up, Out* a, int n) {
   for (; j < n; ++j) narrow(silu(widen(gate[j])) * widen(up[j]), a + j);
 }
 
+// gelu(g) with the tanh approximation, as x * sigmoid(2 u), u = sqrt(2 / pi) (x + 0.044715 x^3): the
+// same value as 0.5 x (1 + tanh(u)), through one exp.
+inline float gelu_tanh(float g) {
+  const float u = 0.7978845608f * (g + 0.044715f * g * g * g);
+  return g / (1.f + std::exp(-2.f * u));
+}
+
+// a[j] = gelu_tanh(gate[j]) * up[j] for one row (GeGLU: Gemma); float32 or bfloat16 in and out.
+template <typename In, typename Out>
+inline void gelu_tanh_mul(const In* gate, const In* up, Out* a, int n) {
+  int j = 0;
+  const simd::vf one = simd::set1(1.f), c0 = simd::set1(-2.f * 0.7978845608f), c1 = simd::set1(0.044715f);
+  for (; j + simd::kLanes <= n; j += simd::kLanes) {
+    const simd::vf g = simd::load(gate + j);
+    const simd::vf inner = simd::mul(simd::mul(c0, g), simd::add(one, simd::mul(c1, simd::mul(g, g))));
+    const simd::vf s = simd::div(g, simd::add(one, simd::exp(inner)));
+    simd::store(a + j, simd::mul(s, simd::load(up + j)));
+  }
+  for (; j < n; ++j) narrow(gelu_tanh(widen(gate[j])) * widen(up[j]), a + j);
+}
+
+// The gated MLP's activation (KvflowDecoder.activation: 0 SiLU, 1 GELU-tanh) on one row.
+template <typename In, typename Out>
+inline void gated_activation(int activation, const In* gate, const In* up, Out* a, int n) {
+  if (activation == 1)
+    gelu_tanh_mul(gate, up, a, n);
+  else
+    silu_mul(gate, up, a, n);
+}
+
 }  // namespace kvflow
