@@ -50,6 +50,7 @@ class Shape:
     head_size: int | None = None  # where it is not hidden / heads
     experts: int = 0
     experts_used: int = 0  # per token
+    sliding_window: int = 0  # gemma3: five of every six layers see this many positions (llama.cpp's pattern)
 
     @property
     def head_dim(self) -> int:
@@ -63,6 +64,10 @@ class Shape:
             out += [(f"blk.{i}.attn_norm.weight", (h,)), (f"blk.{i}.attn_q.weight", (q, h)),
                     (f"blk.{i}.attn_k.weight", (kv, h)), (f"blk.{i}.attn_v.weight", (kv, h)),
                     (f"blk.{i}.attn_output.weight", (h, q)), (f"blk.{i}.ffn_norm.weight", (h,))]
+            if self.arch == "gemma3":  # per-head q/k norms, and norms on each sublayer's output
+                out += [(f"blk.{i}.attn_q_norm.weight", (self.head_dim,)),
+                        (f"blk.{i}.attn_k_norm.weight", (self.head_dim,)),
+                        (f"blk.{i}.post_attention_norm.weight", (h,)), (f"blk.{i}.post_ffw_norm.weight", (h,))]
             if self.experts:
                 e = self.experts
                 out += [(f"blk.{i}.attn_q_norm.weight", (self.head_dim,)),
@@ -84,6 +89,8 @@ SHAPES = {
     # Qwen3-30B-A3B's layers (128 experts of 768, 8 a token; q/k norms; head size 128) but 12 of its 48:
     # the whole model's F16 file (61 GB) does not fit this machine's disk. Per token it reads a quarter of
     # the real model's expert bytes and the same output head.
+    "gemma-3-1b": Shape(hidden=1152, layers=26, heads=4, kv_heads=1, intermediate=6912, vocab=262144, tied=True,
+                        rope_base=1000000.0, arch="gemma3", head_size=256, sliding_window=512),
     "qwen3-30b-a3b-12-layers": Shape(hidden=2048, layers=12, heads=32, kv_heads=4, intermediate=768, vocab=151936,
                                      tied=False, rope_base=1000000.0, arch="qwen3moe", head_size=128, experts=128,
                                      experts_used=8),
@@ -174,6 +181,9 @@ def write_f16(shape: Shape, path: Path, context: int = 8192) -> None:
     if shape.head_size:
         writer.add_key_length(shape.head_dim)
         writer.add_value_length(shape.head_dim)
+    if shape.sliding_window:
+        writer.add_sliding_window(shape.sliding_window)
+        writer.add_rope_freq_base_swa(10000.0)
     if shape.experts:
         writer.add_expert_count(shape.experts)
         writer.add_expert_used_count(shape.experts_used)

@@ -25,8 +25,10 @@ gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(gguf.get_tensor_nam
 # its own tests, which ask for it explicitly. Subprocesses (servers, the CLI) inherit this.
 os.environ.setdefault("KVFLOW_COMPILE", "off")
 # Packed GGUF weights are mapped from a cache after a model's first load (kvflow/loader/packed_cache.py):
-# the suite shares one folder of its own, never the user's, and most of its loads then take that path.
+# the suite shares one folder of its own, never the user's, and most of its loads then take that path; the
+# same for the tokenizers built from GGUF metadata (kvflow/loader/tokenizer_cache.py).
 os.environ.setdefault("KVFLOW_PACKED_CACHE", os.path.join(tempfile.gettempdir(), f"kvflow-tests-packed-{os.getuid()}"))
+os.environ.setdefault("KVFLOW_TOKENIZER_CACHE", os.path.join(tempfile.gettempdir(), f"kvflow-tests-tokenizers-{os.getuid()}"))
 # The Triton kernels run on a real GPU when there is one, else under Triton's interpreter on the CPU; triton
 # reads TRITON_INTERPRET when it is first imported, so it is set here, before any test module imports it.
 if not torch.cuda.is_available():

@@ -264,6 +264,13 @@ def _post_processor(vocab: GGUFVocab) -> processors.TemplateProcessing:
 
 def build_gguf_tokenizer(vocab: GGUFVocab) -> PreTrainedTokenizerFast:
     """The Hugging Face fast tokenizer that `vocab` describes, chat template and special tokens included."""
+    backend, kwargs = gguf_tokenizer_parts(vocab)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs)
+
+
+def gguf_tokenizer_parts(vocab: GGUFVocab) -> tuple[Tokenizer, dict[str, Any]]:
+    """The `tokenizers` pipeline that `vocab` describes, and PreTrainedTokenizerFast's keyword arguments
+    around it (special tokens, chat template: JSON values, so that loader/tokenizer_cache can keep them)."""
     if vocab.model not in _BUILDERS:
         raise ValueError(
             f"unsupported GGUF tokenizer model {vocab.model!r}; supported: {', '.join(SUPPORTED_MODELS)}"
@@ -277,20 +284,21 @@ def build_gguf_tokenizer(vocab: GGUFVocab) -> PreTrainedTokenizerFast:
         "unk_token": vocab.token(vocab.unk_id),
         "pad_token": vocab.token(vocab.pad_id),
     }
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        **{name: token for name, token in named.items() if token is not None},
-        add_bos_token=vocab.add_bos,
-        add_eos_token=vocab.add_eos,
-        chat_template=vocab.chat_template,
-        # llama.cpp decodes text verbatim; no "clean-up" of spaces before punctuation.
-        clean_up_tokenization_spaces=False,
-    )
+    kwargs = {name: token for name, token in named.items() if token is not None}
+    # llama.cpp decodes text verbatim; no "clean-up" of spaces before punctuation.
+    kwargs.update(add_bos_token=vocab.add_bos, add_eos_token=vocab.add_eos, chat_template=vocab.chat_template,
+                  clean_up_tokenization_spaces=False)
+    return tokenizer, kwargs
 
 
-def load_gguf_tokenizer(reader: gguf.GGUFReader) -> PreTrainedTokenizerFast:
-    """Build the tokenizer stored in an open GGUF file."""
-    return build_gguf_tokenizer(read_gguf_vocab(reader))
+def load_gguf_tokenizer(reader: gguf.GGUFReader, path: str | Path | None = None) -> PreTrainedTokenizerFast:
+    """Build the tokenizer stored in an open GGUF file; given the file's path, through the cache of built
+    tokenizers (loader/tokenizer_cache)."""
+    if path is None:
+        return build_gguf_tokenizer(read_gguf_vocab(reader))
+    from kvflow.loader.tokenizer_cache import cached_tokenizer
+
+    return cached_tokenizer(Path(path), lambda: gguf_tokenizer_parts(read_gguf_vocab(reader)))
 
 
 def load_gguf_tokenizer_from_path(path: str | Path) -> PreTrainedTokenizerFast:

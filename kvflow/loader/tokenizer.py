@@ -11,7 +11,7 @@ def load_tokenizer(resolved: ResolvedModel, gguf_reader=None):
     if resolved.kind == "gguf":
         from kvflow.loader.gguf_tokenizer import load_gguf_tokenizer
 
-        return load_gguf_tokenizer(gguf_reader)
+        return load_gguf_tokenizer(gguf_reader, resolved.path)
     from transformers import AutoTokenizer
 
     try:
