@@ -17,6 +17,7 @@ from torch import nn
 
 from kvflow.kernels import abi, packed_matmul, paged_attention
 from kvflow.layers.quant.packed_linear import PackedLinear
+from kvflow.layers.quant.packed_parts import PackedParts
 from kvflow.layers.quant.vocab import ExactTopLogits, PackedEmbedding
 from kvflow.models.moe import SparseMoE
 
@@ -45,6 +46,17 @@ def _projections(layer: nn.Module) -> tuple[nn.Module, ...]:
     if isinstance(mlp, SparseMoE):
         return a.qkv_proj, a.o_proj
     return a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+
+def _two_parts(p: nn.Module) -> bool:
+    return isinstance(p, PackedParts) and len(p.parts) == 2 and all(isinstance(q, PackedLinear) for q in p.parts)
+
+
+def _structs(p: nn.Module) -> tuple:
+    """A projection's packed weight, and the rest of its columns where its parts come in two types."""
+    if isinstance(p, PackedParts):
+        return p.parts[0].packed.struct, p.parts[1].packed.struct
+    return p.packed.struct, abi.KvflowPackedWeight()
 
 
 def _moe_unsupported(moe: SparseMoE) -> str | None:
@@ -87,8 +99,8 @@ def reason_unsupported(model: nn.Module) -> str | None:
         return "the token embedding is packed for another kernel"
     for layer in model.layers:
         projections = _projections(layer)
-        if not all(isinstance(p, PackedLinear) for p in projections):
-            return "some projections are not packed (PackedLinear)"
+        if not all(isinstance(p, PackedLinear) or _two_parts(p) for p in projections):
+            return "some projections are not packed (PackedLinear, or PackedParts of two)"
         if any(p.bias is not None for p in projections[1:]):
             return "a projection other than q/k/v has a bias"
         if isinstance(layer.mlp, SparseMoE) and (reason := _moe_unsupported(layer.mlp)):
@@ -111,12 +123,14 @@ class NativeModel:
         self._moe: list = []  # each MoE layer's struct and expert arrays, kept alive: C holds their addresses
         for i, layer in enumerate(model.layers):
             a = layer.self_attn
-            qkv, o, *mlp = (p.packed.struct for p in _projections(layer))
-            gate_up, down = mlp or (abi.KvflowPackedWeight(), abi.KvflowPackedWeight())
+            (qkv, qkv_rest), (o, _), *mlp = (_structs(p) for p in _projections(layer))
+            none = (abi.KvflowPackedWeight(), abi.KvflowPackedWeight())
+            (gate_up, gate_up_rest), (down, _) = mlp or (none, none)
             before_attn, before_mlp, attn_out, mlp_out = layer.norms()
             cos, sin = _layer_rotary(model, layer)
             self.layers[i] = abi.KvflowDecoderLayer(
-                qkv=qkv, o=o, gate_up=gate_up, down=down, moe=self._moe_struct(layer.mlp, arch),
+                qkv=qkv, o=o, gate_up=gate_up, down=down, qkv_rest=qkv_rest, gate_up_rest=gate_up_rest,
+                moe=self._moe_struct(layer.mlp, arch),
                 input_norm=_f32(before_attn.weight), post_norm=_f32(before_mlp.weight),
                 attn_out_norm=_f32(attn_out.weight if attn_out is not None else None),
                 mlp_out_norm=_f32(mlp_out.weight if mlp_out is not None else None),

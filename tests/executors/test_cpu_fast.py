@@ -27,6 +27,7 @@ from kvflow.executors.native_model import NativeModel
 from kvflow.executors.thresholds import ROW_THRESHOLDS, RowThresholds
 from kvflow.kernels import abi, cpu_features, packed_matmul
 from kvflow.layers.quant import PackedLinear, quantize_weight
+from kvflow.layers.quant.packed_parts import PackedParts
 
 # The native decoder needs the kernel library, which builds on every CPU tier but needs a C++ compiler.
 pytestmark = pytest.mark.skipif(not packed_matmul.available(), reason="needs a C++ compiler to build the kernels")
@@ -339,3 +340,23 @@ def test_gemma_prompts_on_the_dense_path_against_the_pytorch_layers(tiny_checkpo
         shared = lp_a.keys() & lp_b.keys()
         assert len(shared) >= 3
         assert max(abs(lp_a[t].logprob - lp_b[t].logprob) for t in shared) < 0.1
+
+
+@pytest.mark.usefixtures("sixteen_bit_inputs")
+def test_fused_projections_of_two_types_against_the_pytorch_layers(native_steps, tmp_path):
+    """A file whose v and up are Q6_K beside Q8_0 q, k and gate (as a Q4_K_M file's are beside Q4_K): each
+    fused projection runs as two packed weights in their own types (layers/quant/packed_parts.py), which
+    the native decoder multiplies into one row of outputs (KvflowDecoderLayer.qkv_rest, gate_up_rest)."""
+    folder = make_tiny_checkpoint("llama", tmp_path / "llama", hidden_size=256, intermediate_size=256)
+    six = (".attn_v.", ".ffn_up.")
+    mixed = requantize(hf_to_gguf(folder, tmp_path / "f32.gguf"), tmp_path / "mixed.gguf",
+                       lambda name: ("Q6_K" if any(s in name for s in six) else "Q8_0") if "blk." in name else None)
+    loaded = load_model(ModelConfig(model=str(mixed), device="cpu", max_model_len=512))
+    attention, mlp = loaded.model.layers[0].self_attn, loaded.model.layers[0].mlp
+    assert isinstance(attention.qkv_proj, PackedParts) and isinstance(mlp.gate_up_proj, PackedParts)
+    assert loaded.native is not None
+    prompts = [{"prompt_token_ids": list(range(3, 3 + 60))}, {"prompt_token_ids": list(range(150, 190))}]
+    ours = make_llm(loaded, kv_cache_memory=16 << 20).generate(prompts, PARAMS)
+    assert native_steps[0] >= 24
+    theirs = generate_without_native(loaded, prompts, kv_cache_memory=16 << 20)
+    assert_close_outputs(ours, theirs, 3e-2)

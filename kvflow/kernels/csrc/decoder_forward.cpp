@@ -78,6 +78,13 @@ void norm_output_row(const In* src, const float* weight, int width, float eps, f
   kvflow::rms_norm(std::is_same_v<In, float> ? reinterpret_cast<const float*>(src) : row, weight, row, 1, width, eps);
 }
 
+// A fused projection: its first part's columns, then (where its parts come in two types) the rest's.
+int fused_matmul(const KvflowPackedWeight& w, const KvflowPackedWeight& rest, const float* x, int64_t x_stride, int rows,
+                 float* y, int64_t y_stride, int bits, int threads) {
+  if (kvflow_packed_matmul(&w, x, x_stride, rows, y, y_stride, bits, threads)) return -1;
+  return rest.data ? kvflow_packed_matmul(&rest, x, x_stride, rows, y + w.n, y_stride, bits, threads) : 0;
+}
+
 struct Buffers {
   std::vector<float> normed, qkv, attn, proj, gate_up, act;
   std::vector<int> one_token_rows;
@@ -117,7 +124,8 @@ int packed_layers(const KvflowDecoder& m, const KvflowStep* steps, const int64_t
   for (int l = 0; l < m.num_layers; ++l) {
     const KvflowDecoderLayer& layer = m.layers[l];
     add_norm(l == 0 ? nullptr : b.proj.data(), layer.input_norm);
-    if (kvflow_packed_matmul(&layer.qkv, b.normed.data(), s.h, rows, b.qkv.data(), s.qkv_size, bits, threads)) return -1;
+    if (fused_matmul(layer.qkv, layer.qkv_rest, b.normed.data(), s.h, rows, b.qkv.data(), s.qkv_size, bits, threads))
+      return -1;
     each_row(rows, threads, [&](int r) {
       float* row = b.qkv.data() + static_cast<int64_t>(r) * s.qkv_size;
       finish_qkv<float>(m, layer, s, row, row, positions[r]);
@@ -134,8 +142,8 @@ int packed_layers(const KvflowDecoder& m, const KvflowStep* steps, const int64_t
       norm_outputs(layer.mlp_out_norm);
       continue;
     }
-    if (kvflow_packed_matmul(&layer.gate_up, b.normed.data(), s.h, rows, b.gate_up.data(), 2 * s.inter, bits,
-                             threads))
+    if (fused_matmul(layer.gate_up, layer.gate_up_rest, b.normed.data(), s.h, rows, b.gate_up.data(), 2 * s.inter,
+                     bits, threads))
       return -1;
     each_row(rows, threads, [&](int r) {
       const float* gu = b.gate_up.data() + static_cast<int64_t>(r) * 2 * s.inter;

@@ -177,6 +177,9 @@ struct KvflowMoE {
 
 struct KvflowDecoderLayer {
   KvflowPackedWeight qkv, o, gate_up, down;  // q/k/v and gate/up fused along the output dim
+  // Where a fused projection's parts come in two types (a Q4_K_M file's Q4_K q/k beside its Q6_K v), the
+  // columns after qkv's (gate_up's) n, packed in their own type; else data null.
+  KvflowPackedWeight qkv_rest, gate_up_rest;
   const KvflowMoE* moe;  // or null: the dense gate_up and down
   const float* input_norm;
   const float* post_norm;      // the norm before the MLP

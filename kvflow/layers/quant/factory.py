@@ -14,6 +14,7 @@ from kvflow.layers.quant.int4_linear import Int4Linear
 from kvflow.layers.quant.int8_block_linear import Int8BlockLinear
 from kvflow.layers.quant.int8_linear import Int8Linear
 from kvflow.layers.quant.packed_linear import PackedLinear
+from kvflow.layers.quant.packed_parts import PackedParts
 from kvflow.layers.quant.packing import (
     ROUNDED_SCALE_TYPES,
     BlockQuant,
@@ -77,6 +78,11 @@ def gguf_linear(
     parts of different group sizes with the smallest one's (each scale repeated).
     """
     if packed_matmul.available():  # straight from the file's bytes, in C++; the same layer as below
+        runs = _runs_of_one_layout(parts, row_orders)
+        if len(runs) == 2 and not exact_rows:  # each run in its own type's bytes, not both in the widest's
+            layers = [gguf_linear(run_parts, run_orders) for run_parts, run_orders in runs]
+            if all(isinstance(layer, PackedLinear) for layer in layers):
+                return PackedParts(layers, bias)
         bits, group, centre = packed_form([qtype for _, qtype in parts])
         pw = packed_matmul.pack_gguf(
             [(raw, gguf.GGMLQuantizationType[qtype].value, row_orders[i] if row_orders is not None else None)
@@ -95,3 +101,20 @@ def gguf_linear(
     smallest = min(bq.group_size for bq in codes)
     codes = [bq if bq.group_size == smallest else with_group(bq, smallest) for bq in codes]
     return build_quant_linear(concat_rows(codes) if len(codes) > 1 else codes[0], bias, exact_rows)
+
+
+def _runs_of_one_layout(parts: Sequence[tuple[np.ndarray, str]], row_orders: Sequence[torch.Tensor | None] | None
+                        ) -> list[tuple[list, list | None]]:
+    """Consecutive parts that packed_form holds in one layout, as (parts, row orders) runs."""
+    runs: list[tuple[list, list | None]] = []
+    for i, part in enumerate(parts):
+        order = row_orders[i] if row_orders is not None else None
+        if runs and packed_form([runs[-1][0][-1][1], part[1]]) == packed_form([part[1]]) == packed_form(
+                [runs[-1][0][-1][1]]):
+            runs[-1][0].append(part)
+            if runs[-1][1] is not None:
+                runs[-1][1].append(order)
+        else:
+            runs.append(([part], None if row_orders is None else [order]))
+    return runs
+

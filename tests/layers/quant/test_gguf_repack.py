@@ -11,6 +11,7 @@ import torch
 
 from kvflow.kernels import packed_matmul
 from kvflow.layers.quant import concat_rows, from_gguf, gguf_linear, permute_rows, unpermute_rope_index
+from kvflow.layers.quant.packed_parts import PackedParts
 from kvflow.layers.quant.packing import (
     CENTRES,
     LAYOUT_BITS,
@@ -159,3 +160,26 @@ def test_a_scale_beyond_float16_and_a_size_that_disagrees_are_refused():
     six = random_tensor("Q6_K", 16, 256, 10)  # 6-bit codes into 4 bits; 8-bit ones into 6
     assert packed_matmul.pack_gguf([(six, gguf.GGMLQuantizationType.Q6_K.value, None)], 4, 16) is None
     assert packed_matmul.pack_gguf([(eight, gguf.GGMLQuantizationType.Q8_0.value, None)], 6, 32) is None
+
+
+def test_a_q4_k_m_attention_runs_as_two_packed_parts_in_their_own_bytes():
+    """The same attention as gguf_linear loads it: q/k in Q4_K's own layout, v in Q6_K's, side by side
+    (layers/quant/packed_parts.py): each part's columns bitwise its own layer's, and the weights of the one
+    widened layer above in fewer bytes."""
+    parts = [(random_tensor("Q4_K", 64, 512, 12), "Q4_K"), (random_tensor("Q4_K", 32, 512, 13), "Q4_K"),
+             (random_tensor("Q6_K", 32, 512, 14), "Q6_K")]
+    orders = [unpermute_rope_index(64, 4), unpermute_rope_index(32, 2), None]
+    layer = gguf_linear(parts, row_orders=orders)
+    assert isinstance(layer, PackedParts) and [p.out_features for p in layer.parts] == [96, 32]
+    qk, v = gguf_linear(parts[:2], row_orders=orders[:2]), gguf_linear(parts[2:])
+    x = torch.randn(5, 512)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), torch.cat([qk(x), v(x)], dim=-1))
+    assert torch.equal(layer.dequantize(), torch.cat([qk.dequantize(), v.dequantize()]))
+    # The widened layer holds the same weights, Q4_K's scales rounded to float16 (the parts keep them exact).
+    widened = cpp_path(parts, orders)
+    torch.testing.assert_close(layer.dequantize(), packed_matmul.dequantize(widened), rtol=2e-3, atol=2e-3)
+    assert layer.nbytes() < 0.8 * widened.nbytes()
+    layer.cache_dense_bf16()
+    assert torch.equal(layer.dense_bf16, layer.dequantize().to(torch.bfloat16))
+    assert all(p.dense_bf16 is None for p in layer.parts)  # one copy, the layer's

@@ -16,6 +16,7 @@ import torch
 from kvflow.kernels import packed_matmul
 from kvflow.layers.quant import Int4Linear, Int8BlockLinear, PackedLinear, build_quant_linear, from_gguf
 from kvflow.layers.quant.factory import UnpackableCodes
+from kvflow.layers.quant.packed_parts import PackedParts
 from kvflow.layers.quant.packing import round_scales_to_f16
 
 RTOL_Y = 1e-2
@@ -164,14 +165,17 @@ def test_k_quants_and_iq4_run_on_the_packed_kernel(qtype, rows):
 
 @needs_packed_kernel  # gguf_linear picks the packed kernel; without a compiler there is none to test
 def test_a_fused_layer_of_group_32_and_group_16_parts_keeps_each_parts_weights():
-    """Q4_K_M files put a Q6_K v beside a Q4_K q and k: one layer of 6-bit codes in blocks of 16 holds them,
-    with exactly the parts' weights, their scales rounded to float16 (alone, a Q4_K keeps its own scales)."""
+    """Q4_K_M files put a Q6_K v beside a Q4_K q and k: each part keeps its own type's layout, side by side
+    (layers/quant/packed_parts.py), with exactly the weights each has alone: the Q4_K part its own scales,
+    the Q6_K part its scales rounded to float16. (Fused, both would be 6-bit codes in blocks of 16.)"""
     from kvflow.layers.quant import gguf_linear
 
     parts = [(random_blocks("Q4_K", 64, 6), "Q4_K"), (random_blocks("Q6_K", 32, 7), "Q6_K")]
     layer = gguf_linear(parts)
-    assert isinstance(layer, PackedLinear) and (layer.packed.bits, layer.packed.group) == (6, 16)
-    alone = torch.cat([round_scales_to_f16(from_gguf(raw, qtype)).dequantize() for raw, qtype in parts])
+    assert isinstance(layer, PackedParts)
+    assert [(p.packed.bits, p.packed.group) for p in layer.parts] == [(4, 32), (6, 16)]
+    alone = torch.cat([from_gguf(parts[0][0], "Q4_K").dequantize(),
+                       round_scales_to_f16(from_gguf(parts[1][0], "Q6_K")).dequantize()])
     assert torch.equal(layer.dequantize(), alone)
 
 
@@ -183,8 +187,9 @@ def test_blocks_of_16_are_refused_by_the_torch_kernels():
 
 @needs_packed_kernel  # gguf_linear picks the packed kernel; without a compiler there is none to test
 def test_a_fused_layer_of_4_and_8_bit_parts_is_packed_as_8_bit():
-    """Q4_K_M and Q3_K_M files mix widths inside q/k/v (a 4-bit q beside a Q5_0 k): one 8-bit layer holds
-    them, with exactly the parts' weights."""
+    """Q4_K_M and Q3_K_M files mix widths inside q/k/v (a 4-bit q beside a Q5_0 k): the 4-bit part keeps its
+    4-bit layout and the 8-bit ones share one (two runs: layers/quant/packed_parts.py), with exactly the
+    parts' weights."""
     from kvflow.layers.quant import gguf_linear
 
     rng = np.random.default_rng(5)
@@ -195,5 +200,5 @@ def test_a_fused_layer_of_4_and_8_bit_parts_is_packed_as_8_bit():
         parts.append((raw, qtype))
         refs.append(torch.from_numpy(gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, qtype))))
     layer = gguf_linear(parts)
-    assert isinstance(layer, PackedLinear) and layer.packed.bits == 8
+    assert isinstance(layer, PackedParts) and [p.packed.bits for p in layer.parts] == [4, 8]
     assert torch.equal(layer.dequantize(), torch.cat(refs))
