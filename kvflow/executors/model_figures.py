@@ -32,6 +32,7 @@ def _weight_bytes(model: torch.nn.Module, seen: set[int]) -> int:
     for module in model.modules():  # packed layers keep their bytes outside parameters and buffers
         if isinstance(module, QuantLinear) and id(module) not in seen:
             seen.add(id(module))
+            seen.update(id(part) for part in getattr(module, "parts", ()))  # a PackedParts counts its parts
             total += module.nbytes()
     for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers()):
         if id(t) in seen or name.endswith(("cos", "sin", "layer_id")):  # tables and indices, not weights

@@ -155,6 +155,7 @@ def weight_nbytes(model: nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, QuantLinear) and id(module) not in seen:
             seen.add(id(module))
+            seen.update(id(part) for part in getattr(module, "parts", ()))  # a PackedParts counts its parts
             total += module.nbytes()
     for p in model.parameters():  # deduplicated by PyTorch; includes packed layers' float bias
         total += p.numel() * p.element_size()

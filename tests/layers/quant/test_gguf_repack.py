@@ -183,3 +183,18 @@ def test_a_q4_k_m_attention_runs_as_two_packed_parts_in_their_own_bytes():
     layer.cache_dense_bf16()
     assert torch.equal(layer.dense_bf16, layer.dequantize().to(torch.bfloat16))
     assert all(p.dense_bf16 is None for p in layer.parts)  # one copy, the layer's
+
+
+def test_a_model_with_two_part_projections_counts_their_bytes_once():
+    """The roofline's bytes a step (executors/model_figures) and the loaded size count a PackedParts once,
+    not again through its parts."""
+    from torch import nn
+
+    from kvflow.executors.model_figures import weight_bytes_read_per_step
+    from kvflow.loader.quantized_loading import weight_nbytes
+
+    parts = [(random_tensor("Q4_K", 64, 512, 12), "Q4_K"), (random_tensor("Q6_K", 32, 512, 14), "Q6_K")]
+    layer = gguf_linear(parts)
+    model = nn.Sequential(layer)
+    assert weight_bytes_read_per_step(model) == weight_nbytes(model) == layer.nbytes()
+    assert layer.nbytes() == sum(p.packed.nbytes() for p in layer.parts)
