@@ -46,8 +46,9 @@ def test_five_bit_weights_stay_packed_and_answer(five_bit_gguf):
     model = llm.engine.runner.model
     layer = model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, PackedLinear) and isinstance(layer.mlp.gate_up_proj, PackedLinear)
-    # Q5_1's codes run as 6-bit ones; Q5_0's stay 8-bit (centred on 128, as Q8_0's, to fuse with them)
-    assert (layer.mlp.down_proj.packed.bits, layer.self_attn.qkv_proj.packed.bits) == (6, 8)
+    # Q5_1's and Q5_0's codes both run as 6-bit ones (Q5_0's centred on 16, its offsets not stored)
+    assert (layer.mlp.down_proj.packed.bits, layer.self_attn.qkv_proj.packed.bits) == (6, 6)
+    assert layer.self_attn.qkv_proj.packed.centre == 16
     answer = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                       SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
     assert "Paris" in answer, answer

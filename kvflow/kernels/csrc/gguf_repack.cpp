@@ -43,7 +43,8 @@ void k_scales(const uint8_t* b, uint16_t* d, uint16_t* dmin, uint8_t* sc, uint8_
 // The codes' centre c of a symmetric type (w = scale (q - c): offset = -c scale, not stored), else 0.
 int32_t centre_of(int32_t type) {
   switch (type) {
-    case kQ8_0: case kQ5_0: case kIQ4_NL: case kIQ4_XS: return 128;
+    case kQ8_0: case kIQ4_NL: case kIQ4_XS: return 128;
+    case kQ5_0: return 16;
     case kQ4_0: return 8;
     case kQ6_K: return 32;
     case kQ3_K: return 4;
@@ -51,12 +52,12 @@ int32_t centre_of(int32_t type) {
   }
 }
 
-// The bits the type's codes (as decode_block gives them) need: Q5_0's are centred on 128, as Q8_0's.
+// The bits the type's codes (as decode_block gives them) need.
 int code_bits(int32_t type) {
   switch (type) {
-    case kQ8_0: case kQ5_0: case kIQ4_NL: case kIQ4_XS: return 8;
+    case kQ8_0: case kIQ4_NL: case kIQ4_XS: return 8;
     case kQ6_K: return 6;
-    case kQ5_1: case kQ5_K: return 5;
+    case kQ5_0: case kQ5_1: case kQ5_K: return 5;
     default: return 4;
   }
 }
@@ -118,9 +119,8 @@ void decode_block(int32_t type, const uint8_t* b, uint8_t* q, float* scale, floa
       scale[0] = d;
       if (type == kQ5_1) {
         offset[0] = half_value(b + 2);
-      } else {  // d (q5 - 16) as Q8_0's centred codes: q5 + 112 - 128
-        for (int i = 0; i < 32; ++i) q[i] = static_cast<uint8_t>(q[i] + 112);
-        offset[0] = -128.f * d;
+      } else {  // d (q5 - 16)
+        offset[0] = -16.f * d;
       }
       return;
     }

@@ -19,6 +19,7 @@ from kvflow.layers.quant.packing import (
     ROUNDED_SCALE_TYPES,
     BlockQuant,
     as_8_bit,
+    centred_at_128,
     concat_rows,
     from_gguf,
     packed_form,
@@ -55,6 +56,7 @@ def build_quant_linear(
         raise UnpackableCodes(f"groups of {bq.group_size} inputs (GGUF Q6_K / Q3_K / Q2_K) need kvflow's packed kernel")
     if bq.bits == 4:
         return Int4Linear(bq, bias, exact_rows=exact_rows)
+    bq = centred_at_128(bq)  # PyTorch's int8 kernels take Q8_0's centring (Q5_0's codes are shifted to it)
     if not torch.equal(bq.offset, -128.0 * bq.scale):
         # PyTorch's int4 kernel holds an offset as a bfloat16 zero point: exact for Q8_0's centred codes,
         # a bias of up to 2^-9 of 128 scales in every weight of a block for a free one (Q5_1).

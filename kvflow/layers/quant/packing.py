@@ -5,10 +5,11 @@ Every format here is an affine code per group of `group_size` inputs along a row
     w[n, k] = scale[n, g] * q[n, k] + offset[n, g],   g = k // group_size,  q unsigned
 
 GGUF Q8_0 (q8 signed, w = d*q8) becomes q = q8 + 128, offset = -128 d; Q4_0 (w = d*(q-8)) becomes
-offset = -8 d; Q4_1 (w = d*q + m) is already affine. The 5-bit formats and IQ4_NL become 8-bit codes (the
-packed kernel has 4- and 8-bit codes): Q5_0 (w = d*(q5-16)) q = q5 + 112, offset = -128 d (Q8_0's
-centring, which PyTorch's int4 kernel needs to stay exact); Q5_1 (w = d*q5 + m) q = q5, offset = m;
-IQ4_NL (w = d*table[i], a fixed 16-entry table of int8 values) q = table[i] + 128, offset = -128 d.
+offset = -8 d; Q4_1 (w = d*q + m) is already affine. The 5-bit formats and IQ4_NL are held as 8-bit codes
+(the packed kernel stores the 5-bit ones in its 6-bit layout: LAYOUT_BITS): Q5_0 (w = d*(q5-16)) q = q5,
+offset = -16 d, centre 16 (centred_at_128 shifts it to Q8_0's centring for PyTorch's int8 kernels); Q5_1
+(w = d*q5 + m) q = q5, offset = m; IQ4_NL (w = d*table[i], a fixed 16-entry table of int8 values)
+q = table[i] + 128, offset = -128 d.
 With d an f16 value, d*q and the offset are exact in float32, so `dequantize` reproduces
 gguf.quants.dequantize bit for bit.
 
@@ -39,12 +40,12 @@ _SUPER_BLOCK_BYTES = {"Q4_K": 4 + 12 + QK_K // 2, "Q5_K": 4 + 12 + QK_K // 8 + Q
 PACKED_BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 8, "Q5_1": 8, "Q8_0": 8, "IQ4_NL": 8, "Q4_K": 4, "Q5_K": 8,
                "Q6_K": 8, "Q3_K": 4, "Q2_K": 4, "IQ4_XS": 8}
 # The packed kernel's code width per type, where it differs from the codes above: 6 bits hold Q6_K's codes
-# and the 5-bit ones with free offsets (Q5_1, Q5_K), 7 bits a weight with their scales, not 9 as 8-bit
-# codes. Q5_0 stays at 8: its codes are centred on 128 (Q8_0's centring), so that it fuses with Q8_0.
-LAYOUT_BITS = {**PACKED_BITS, "Q5_1": 6, "Q5_K": 6, "Q6_K": 6}
+# and the 5-bit ones (Q5_0, Q5_1, Q5_K), 6.5 to 7 bits a weight with their scales, not 8.5 to 9 as 8-bit
+# codes. (A fused layer whose parts need two layouts keeps two packed weights: layers/quant/packed_parts.py.)
+LAYOUT_BITS = {**PACKED_BITS, "Q5_0": 6, "Q5_1": 6, "Q5_K": 6, "Q6_K": 6}
 # The symmetric types' centre c: w = scale * (q - c), so offset = -c * scale is not stored (the packed
 # kernel derives it, exactly). The others (Q4_1, Q5_1, Q4_K, Q5_K, Q2_K) have free offsets (mins).
-CENTRES = {"Q8_0": 128, "Q5_0": 128, "IQ4_NL": 128, "IQ4_XS": 128, "Q4_0": 8, "Q6_K": 32, "Q3_K": 4}
+CENTRES = {"Q8_0": 128, "Q5_0": 16, "IQ4_NL": 128, "IQ4_XS": 128, "Q4_0": 8, "Q6_K": 32, "Q3_K": 4}
 GROUP_16_TYPES = ("Q6_K", "Q3_K", "Q2_K")  # a scale per 16 inputs; every other type has one per 32
 ROUNDED_SCALE_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS")  # exact in float32 only: rounded to f16
 # IQ4_NL's values (ggml's kvalues_iq4nl), as 8-bit codes q = value + 128.
@@ -102,7 +103,7 @@ def _from_blocks(raw: np.ndarray, qtype: str) -> BlockQuant:
         q = (_nibbles(blocks[..., at + 4 :]) | high).reshape(n, -1)
         if qtype == "Q5_1":
             return BlockQuant(q, d, _f16(blocks[..., 2:4]), QK, 8)
-        return BlockQuant(q + 112, d, -128.0 * d, QK, 8)  # d * (q5 - 16), centred as Q8_0's codes are
+        return BlockQuant(q, d, -16.0 * d, QK, 8)  # d * (q5 - 16)
     if qtype == "IQ4_NL":
         q = _IQ4_NL_CODES.to(torch.uint8)[_nibbles(blocks[..., 2:]).long()].reshape(n, -1)
         return BlockQuant(q, d, -128.0 * d, QK, 8)
@@ -206,6 +207,15 @@ def packed_form(qtypes: list[str]) -> tuple[int, int, int]:
     centres = {CENTRES.get(q, 0) for q in qtypes}
     return (max(LAYOUT_BITS[q] for q in qtypes), 16 if any(q in GROUP_16_TYPES for q in qtypes) else 32,
             centres.pop() if len(centres) == 1 else 0)
+
+
+def centred_at_128(bq: BlockQuant) -> BlockQuant:
+    """Symmetric 8-bit-held codes of another centre (Q5_0's 16) as codes centred on 128, Q8_0's: the same
+    weights, scale * (q - c) = scale * (q + 128 - c - 128), for kernels that take only that centring."""
+    if not bq.centre or bq.centre == 128 or bq.bits != 8:
+        return bq
+    return BlockQuant((bq.q.to(torch.int16) + 128 - bq.centre).to(torch.uint8), bq.scale, -128.0 * bq.scale,
+                      bq.group_size, 8, 128)
 
 
 def as_8_bit(bq: BlockQuant) -> BlockQuant:

@@ -76,7 +76,7 @@ def test_each_type_packs_to_the_python_paths_bytes(qtype):
 
 
 def test_fused_symmetric_parts_of_one_centre_store_no_offsets():
-    parts = [(random_tensor("Q8_0", 32, 256, 8), "Q8_0"), (random_tensor("Q5_0", 16, 256, 9), "Q5_0")]
+    parts = [(random_tensor("Q8_0", 32, 256, 8), "Q8_0"), (random_tensor("IQ4_NL", 16, 256, 9), "IQ4_NL")]
     want, got = python_path(parts, [None, None]), cpp_path(parts, [None, None])
     assert (got.centre, got.has_offset) == (128, False)
     assert torch.equal(got.data, want.data)
@@ -90,9 +90,9 @@ def test_fused_parts_of_mixed_widths_groups_and_row_orders():
              (random_tensor("Q6_K", 32, 512, 4), "Q6_K")]
     orders = [unpermute_rope_index(64, 4), unpermute_rope_index(32, 2), None]
     want, got = python_path(parts, orders), cpp_path(parts, orders)
-    assert (got.bits, got.group) == (8, 16)
+    assert (got.bits, got.group) == (6, 16)  # Q5_0's 5-bit codes in the 6-bit layout
     assert torch.equal(got.data, want.data)
-    layer = gguf_linear(parts, row_orders=orders)
+    layer = gguf_linear(parts, row_orders=orders)  # three layouts: one packed weight, not three
     assert torch.equal(layer.packed.data, want.data)
 
 
@@ -198,3 +198,14 @@ def test_a_model_with_two_part_projections_counts_their_bytes_once():
     model = nn.Sequential(layer)
     assert weight_bytes_read_per_step(model) == weight_nbytes(model) == layer.nbytes()
     assert layer.nbytes() == sum(p.packed.nbytes() for p in layer.parts)
+
+
+def test_q5_0_is_held_in_six_bits_centred_on_16():
+    """Q5_0 (w = d (q5 - 16)): its 5-bit codes in the 6-bit layout with the centre 16, 6.5 bits a weight
+    where 8-bit codes took 8.5, and exactly the gguf package's weights."""
+    raw = random_tensor("Q5_0", 48, 512, 21)
+    pw = cpp_path([(raw, "Q5_0")], [None])
+    assert (pw.bits, pw.group, pw.centre, pw.has_offset) == (6, 32, 16, False)
+    assert pw.nbytes() * 8 / (48 * 512) <= 6.5 * 1.1  # (48 rows: a partial last group of 16)
+    want = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q5_0))
+    assert torch.equal(packed_matmul.dequantize(pw), want)

@@ -187,9 +187,9 @@ def test_blocks_of_16_are_refused_by_the_torch_kernels():
 
 @needs_packed_kernel  # gguf_linear picks the packed kernel; without a compiler there is none to test
 def test_a_fused_layer_of_4_and_8_bit_parts_is_packed_as_8_bit():
-    """Q4_K_M and Q3_K_M files mix widths inside q/k/v (a 4-bit q beside a Q5_0 k): the 4-bit part keeps its
-    4-bit layout and the 8-bit ones share one (two runs: layers/quant/packed_parts.py), with exactly the
-    parts' weights."""
+    """Q4_K_M and Q3_K_M files mix widths inside q/k/v (a 4-bit q beside a Q5_0 k): parts in three layouts
+    (4-bit Q4_0, 6-bit Q5_0, 8-bit Q8_0) are held as one 8-bit layer, with exactly the parts' weights. (Two
+    layouts would stay two packed weights: layers/quant/packed_parts.py.)"""
     from kvflow.layers.quant import gguf_linear
 
     rng = np.random.default_rng(5)
@@ -200,5 +200,5 @@ def test_a_fused_layer_of_4_and_8_bit_parts_is_packed_as_8_bit():
         parts.append((raw, qtype))
         refs.append(torch.from_numpy(gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, qtype))))
     layer = gguf_linear(parts)
-    assert isinstance(layer, PackedParts) and [p.packed.bits for p in layer.parts] == [4, 8]
+    assert isinstance(layer, PackedLinear) and layer.packed.bits == 8
     assert torch.equal(layer.dequantize(), torch.cat(refs))
