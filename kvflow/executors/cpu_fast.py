@@ -18,6 +18,7 @@ from kvflow.executors.layers import LayersExecutor
 from kvflow.executors.native_model import NativeModel
 from kvflow.executors.thresholds import ROW_THRESHOLDS
 from kvflow.kernels import abi
+from kvflow.layers.activation import soft_cap
 
 
 class CpuFastExecutor(LayersExecutor):
@@ -77,7 +78,7 @@ class CpuFastExecutor(LayersExecutor):
             raise self._failure(rc, native)
         if native.head_packed:
             if native.final_softcap:  # as the model's compute_logits caps them (Gemma 2)
-                logits = native.final_softcap * torch.tanh(logits / native.final_softcap)
+                logits = soft_cap(logits, native.final_softcap)
             return logits
         return self.model.compute_logits(hidden[picked]).float()
 

@@ -26,13 +26,12 @@ def _weight_bytes(model: torch.nn.Module, seen: set[int]) -> int:
     embed = getattr(model, "embed_tokens", None)
     skip = set() if embed is None else {id(t) for t in embed.parameters()} | {id(t) for t in embed.buffers()}
     tied = getattr(getattr(model, "arch", None), "tie_word_embeddings", False)
-    from kvflow.layers.quant.base import QuantLinear
+    from kvflow.layers.quant.base import outermost_quant_layers
 
     total = 0
-    for module in model.modules():  # packed layers keep their bytes outside parameters and buffers
-        if isinstance(module, QuantLinear) and id(module) not in seen:
+    for module in outermost_quant_layers(model):  # packed layers keep their bytes outside parameters and buffers
+        if id(module) not in seen:
             seen.add(id(module))
-            seen.update(id(part) for part in getattr(module, "parts", ()))  # a PackedParts counts its parts
             total += module.nbytes()
     for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers()):
         if id(t) in seen or name.endswith(("cos", "sin", "layer_id")):  # tables and indices, not weights

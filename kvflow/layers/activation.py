@@ -20,6 +20,11 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap): Gemma 2's soft-capping of attention scores and final logits."""
+    return cap * torch.tanh(x / cap)
+
+
 GATED_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": silu_and_mul,
     "gelu_pytorch_tanh": gelu_tanh_and_mul,

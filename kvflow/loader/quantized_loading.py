@@ -28,6 +28,7 @@ from kvflow.layers.quant import (
     quantize_weight,
     unpermute_rope_index,
 )
+from kvflow.layers.quant.base import outermost_quant_layers
 from kvflow.layers.quant.factory import UnpackableCodes
 from kvflow.layers.quant.packed_linear import PackedLinear
 from kvflow.layers.quant.vocab import ExactTopLogits, PackedEmbedding
@@ -150,13 +151,7 @@ def quantize_linears(model: nn.Module, scheme: str | None) -> None:
 
 def weight_nbytes(model: nn.Module) -> int:
     """Bytes the model's weights occupy: packed layers by their own count, float parameters by size."""
-    seen: set[int] = set()
-    total = 0
-    for module in model.modules():
-        if isinstance(module, QuantLinear) and id(module) not in seen:
-            seen.add(id(module))
-            seen.update(id(part) for part in getattr(module, "parts", ()))  # a PackedParts counts its parts
-            total += module.nbytes()
+    total = sum(module.nbytes() for module in outermost_quant_layers(model))
     for p in model.parameters():  # deduplicated by PyTorch; includes packed layers' float bias
         total += p.numel() * p.element_size()
     return total

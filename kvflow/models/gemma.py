@@ -18,6 +18,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from kvflow.layers.activation import soft_cap
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding
 from kvflow.models.arch import ArchConfig
@@ -71,7 +72,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
         if self.final_softcap:
-            logits = self.final_softcap * torch.tanh(logits / self.final_softcap)
+            logits = soft_cap(logits, self.final_softcap)
         return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -73,9 +73,12 @@ void add_norm_row(float* x, const Delta* delta, const float* weight, int width, 
 // Gemma's norm of a sublayer's output before the residual add: row = rms_norm(widen(src)) * weight.
 template <typename In>
 void norm_output_row(const In* src, const float* weight, int width, float eps, float* row) {
-  if constexpr (!std::is_same_v<In, float>)
+  if constexpr (std::is_same_v<In, float>) {
+    kvflow::rms_norm(src, weight, row, 1, width, eps);
+  } else {
     for (int j = 0; j < width; ++j) row[j] = kvflow::widen(src[j]);
-  kvflow::rms_norm(std::is_same_v<In, float> ? reinterpret_cast<const float*>(src) : row, weight, row, 1, width, eps);
+    kvflow::rms_norm(row, weight, row, 1, width, eps);
+  }
 }
 
 // A fused projection: its first part's columns, then (where its parts come in two types) the rest's.
@@ -171,17 +174,19 @@ int dense_layers(const KvflowDecoder& m, const KvflowStep* steps, const int64_t*
     if (queries.query_start[i + 1] - queries.query_start[i] == 1) b.one_token_rows.push_back(queries.query_start[i]);
   const uint16_t* delta = nullptr;  // the last matmul's output, not yet added to hidden
   const float* normed_delta = nullptr;  // or, after a Gemma output norm, that output normed (float32)
+  // Row r of hidden += the pending output, then out = norm(hidden) * weight.
+  auto add_pending_norm = [&](int r, const float* weight, auto* out) {
+    const int64_t at = static_cast<int64_t>(r) * s.h;
+    if (normed_delta)
+      add_norm_row(hidden + at, normed_delta + at, weight, s.h, m.eps, out + at);
+    else
+      add_norm_row(hidden + at, delta ? delta + at : nullptr, weight, s.h, m.eps, out + at);
+  };
   for (int l = 0; l < m.num_layers; ++l)
     if (m.layers[l].moe) return -1;  // experts run on the packed kernel only
   for (int l = 0; l < m.num_layers; ++l) {
     const KvflowDecoderLayer& layer = m.layers[l];
-    each_row(rows, threads, [&](int r) {
-      const int64_t at = static_cast<int64_t>(r) * s.h;
-      if (normed_delta)
-        add_norm_row(hidden + at, normed_delta + at, layer.input_norm, s.h, m.eps, dense.normed + at);
-      else
-        add_norm_row(hidden + at, delta ? delta + at : nullptr, layer.input_norm, s.h, m.eps, dense.normed + at);
-    });
+    each_row(rows, threads, [&](int r) { add_pending_norm(r, layer.input_norm, dense.normed); });
     if (dense.matmul(dense.context, l, 0, rows)) return -3;
     each_row(rows, threads, [&](int r) {
       const int64_t at = static_cast<int64_t>(r) * s.qkv_size;
@@ -232,13 +237,7 @@ int dense_layers(const KvflowDecoder& m, const KvflowStep* steps, const int64_t*
       normed_delta = b.proj.data();
     }
   }
-  each_row(rows, threads, [&](int r) {
-    const int64_t at = static_cast<int64_t>(r) * s.h;
-    if (normed_delta)
-      add_norm_row(hidden + at, normed_delta + at, m.final_norm, s.h, m.eps, hidden + at);
-    else
-      add_norm_row(hidden + at, delta ? delta + at : nullptr, m.final_norm, s.h, m.eps, hidden + at);
-  });
+  each_row(rows, threads, [&](int r) { add_pending_norm(r, m.final_norm, hidden); });
   return 0;
 }
 

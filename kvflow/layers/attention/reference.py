@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from kvflow.layers.activation import soft_cap
 from kvflow.layers.attention import kv_int8
 
 
@@ -57,7 +58,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
     scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [Hq, Lq, Lk]
     if softcap > 0:
-        scores = softcap * torch.tanh(scores / softcap)
+        scores = soft_cap(scores, softcap)
     scores = scores.masked_fill(~visible(lq, lk, window, q.device), float("-inf"))
     out = torch.matmul(torch.softmax(scores, dim=-1), vf)  # [Hq, Lq, D]
     return out.transpose(0, 1).to(q.dtype)

@@ -12,6 +12,7 @@ bfloat16 and accumulate in float32; the result comes back in the input's dtype.
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -84,3 +85,14 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def outermost_quant_layers(model: nn.Module) -> Iterator[QuantLinear]:
+    """Each packed layer under `model` once, a layer made of packed parts (PackedParts) as itself, not again
+    through its parts: what to count when summing the bytes packed layers hold or a step reads."""
+    inside: set[int] = set()
+    for module in model.modules():  # a parent comes before its children
+        if isinstance(module, QuantLinear) and id(module) not in inside:
+            inside.update(id(m) for m in module.modules())
+            yield module
+

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import groupby
 
 import gguf
 import numpy as np
@@ -108,15 +109,10 @@ def gguf_linear(
 def _runs_of_one_layout(parts: Sequence[tuple[np.ndarray, str]], row_orders: Sequence[torch.Tensor | None] | None
                         ) -> list[tuple[list, list | None]]:
     """Consecutive parts that packed_form holds in one layout, as (parts, row orders) runs."""
-    runs: list[tuple[list, list | None]] = []
-    for i, part in enumerate(parts):
-        order = row_orders[i] if row_orders is not None else None
-        if runs and packed_form([runs[-1][0][-1][1], part[1]]) == packed_form([part[1]]) == packed_form(
-                [runs[-1][0][-1][1]]):
-            runs[-1][0].append(part)
-            if runs[-1][1] is not None:
-                runs[-1][1].append(order)
-        else:
-            runs.append(([part], None if row_orders is None else [order]))
+    orders = list(row_orders) if row_orders is not None else [None] * len(parts)
+    runs = []
+    for _, run in groupby(zip(parts, orders, strict=True), key=lambda part_order: packed_form([part_order[0][1]])):
+        run = list(run)
+        runs.append(([part for part, _ in run], None if row_orders is None else [order for _, order in run]))
     return runs
 

@@ -39,7 +39,13 @@ class PackedParts(QuantLinear):
         return torch.cat([p.dequantize() for p in self.parts])
 
     def dequantize_t(self, start: int, stop: int) -> torch.Tensor:
-        w = self.dequantize()[start:stop].to(torch.bfloat16)
+        pieces, first = [], 0  # only the parts' rows in [start, stop): the tiled path asks a tile at a time
+        for part in self.parts:
+            lo, hi = max(start, first), min(stop, first + part.out_features)
+            if lo < hi:
+                pieces.append(packed_matmul.rows(part.packed, torch.arange(lo - first, hi - first)))
+            first += part.out_features
+        w = torch.cat(pieces).to(torch.bfloat16)
         if stop > self.out_features:
             w = torch.cat([w, w.new_zeros(stop - self.out_features, self.in_features)])
         return w.t()
