@@ -44,7 +44,8 @@ def requantize(src: Path, dst: Path, pick: Callable[[str], str | None]) -> Path:
             return np.asarray(t.data), t.tensor_type
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         qtype = gguf.GGMLQuantizationType[target]
-        return (quantize_q6_k(w) if target == "Q6_K" else gguf.quants.quantize(w, qtype)), qtype
+        encoders = {"Q6_K": quantize_q6_k, "IQ4_NL": quantize_iq4_nl, "IQ4_XS": quantize_iq4_xs}
+        return (encoders[target](w) if target in encoders else gguf.quants.quantize(w, qtype)), qtype
 
     return rewrite(src, dst, tensor)
 
@@ -86,4 +87,43 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:
     high = q >> 4
     qh = high[:, :, :, 0, 0] | (high[:, :, :, 0, 1] << 2) | (high[:, :, :, 1, 0] << 4) | (high[:, :, :, 1, 1] << 6)
     parts = [ql.reshape(rows, -1, 128), qh.reshape(rows, -1, 64), sc.view(np.uint8), d.view(np.uint8)]
+    return np.concatenate(parts, axis=-1).reshape(rows, -1)
+
+
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float64)
+
+
+def _iq4_indices(x: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """x [..., 32] and its block's step [...] -> the nearest IQ4 value's index per input, packed as ggml's
+    16 bytes a block: index i in the low nibble of byte i, index 16 + i in the high one."""
+    idx = np.abs(x[..., None] - step[..., None, None] * IQ4_VALUES).argmin(-1).astype(np.uint8)
+    return idx[..., :16] | (idx[..., 16:] << 4)
+
+
+def quantize_iq4_nl(w: np.ndarray) -> np.ndarray:
+    """float32 [rows, k] -> IQ4_NL bytes [rows, k / 32 * 18]: per 32 inputs a float16 d (largest |w| / 127)
+    and each input's nearest d * value of the 16-entry table (gguf has no IQ4 quantizer; this is the
+    simple one, not llama.cpp's search)."""
+    rows, k = w.shape
+    x = w.reshape(rows, k // 32, 32).astype(np.float64)
+    d = (np.abs(x).max(-1) / 127).astype(np.float16)
+    qs = _iq4_indices(x, d.astype(np.float64))
+    return np.concatenate([d[..., None].view(np.uint8), qs], axis=-1).reshape(rows, -1)
+
+
+def quantize_iq4_xs(w: np.ndarray) -> np.ndarray:
+    """float32 [rows, k] (k a multiple of 256) -> IQ4_XS bytes [rows, k / 256 * 136]: per 256 inputs a
+    float16 d, per 32 a 6-bit scale ls (step d * (ls - 32)), laid out as ggml's block_iq4_xs (d, the scales'
+    top bit pairs, their low nibbles, then IQ4_NL's index bytes per 32)."""
+    rows, k = w.shape
+    x = w.reshape(rows, k // 256, 8, 32).astype(np.float64)
+    sub = np.abs(x).max(-1) / 127  # each sub-block's own step
+    d = (sub.max(-1, keepdims=True) / 31).astype(np.float16)
+    ls = np.clip(np.round(np.divide(sub, d, out=np.zeros_like(sub), where=d > 0)) + 32, 0, 63).astype(np.uint16)
+    qs = _iq4_indices(x, d.astype(np.float64) * (ls.astype(np.float64) - 32))
+    high = np.zeros(ls.shape[:-1], dtype=np.uint16)
+    for j in range(8):
+        high |= (ls[..., j] >> 4) << (2 * j)
+    low = (ls[..., 0::2] & 15) | ((ls[..., 1::2] & 15) << 4)
+    parts = [d.view(np.uint8), high[..., None].view(np.uint8), low.astype(np.uint8), qs.reshape(rows, k // 256, 128)]
     return np.concatenate(parts, axis=-1).reshape(rows, -1)

@@ -27,6 +27,22 @@ GROUPS = (32, 16)  # the block sizes the kernel takes: 16 for Q6_K / Q3_K / Q2_K
 COLUMNS = 16  # output columns side by side in one vector
 BITS = (4, 6, 8)  # code widths: 6 keeps Q6_K (and 5-bit codes) at 7 bits a weight, not 9
 INPUT_STEPS = 32639  # inputs are quantized per block to integers within +-INPUT_STEPS (kMaxInt in the C++)
+# The codebooks of csrc/kvflow_cpu.h: nibble i of a weight with codebook b stands for 8-bit code CODEBOOKS[b][i]
+# (centred on 128): IQ4_NL's values (ggml's kvalues_iq4nl), MXFP4's doubled E2M1 values.
+CODEBOOKS = {1: torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]) + 128,
+             2: torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]) + 128}
+CODEBOOKS = {book: codes.to(torch.uint8) for book, codes in CODEBOOKS.items()}
+
+
+def _code_index(book: torch.Tensor) -> torch.Tensor:
+    """[256] int64: the index of each 8-bit code in the codebook (its first, for MXFP4's two zeros), or -1."""
+    index = torch.full((256,), -1, dtype=torch.int64)
+    for i in reversed(range(16)):
+        index[int(book[i])] = i
+    return index
+
+
+_CODE_INDEX = {book: _code_index(codes) for book, codes in CODEBOOKS.items()}
 
 
 @dataclass
@@ -42,13 +58,14 @@ class PackedWeight:
     # Q4_K / Q5_K kept with their own scales (csrc/kvflow_cpu.h): uint8 [groups, k // 256 * 64], d and dmin
     # per 256 inputs; each block's bytes then hold sc and m bytes instead of float16 scales and offsets.
     super_scales: torch.Tensor | None = field(default=None, repr=False)
+    codebook: int = 0  # 4-bit indices into CODEBOOKS[codebook] (IQ4_NL/IQ4_XS 1, MXFP4 2), or 0: plain codes
     struct: abi.KvflowPackedWeight = field(init=False, repr=False)  # what the C++ kernels read
 
     def __post_init__(self) -> None:
         self.struct = abi.KvflowPackedWeight(
             data=self.data.data_ptr(), n=self.n, k=self.k, bits=self.bits, has_offset=int(self.has_offset),
             block=self.group, centre=self.centre,
-            super_scales=None if self.super_scales is None else self.super_scales.data_ptr())
+            super_scales=None if self.super_scales is None else self.super_scales.data_ptr(), codebook=self.codebook)
 
     @property
     def code_bytes(self) -> int:
@@ -74,10 +91,13 @@ def _f16_exact(t: torch.Tensor) -> bool:
 
 
 def can_pack(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int, bits: int,
-             centre: int = 0) -> bool:
-    """Whether `pack` keeps these codes exactly: groups of 32 or 16, codes within `bits` (4, 6 or 8), scales
-    and offsets exact in float16 (a centred weight's offsets are -centre * scale, not stored)."""
-    if group_size not in GROUPS or q.shape[1] % group_size or bits not in BITS:
+             centre: int = 0, codebook: int = 0) -> bool:
+    """Whether `pack` keeps these codes exactly: groups of 32 or 16, codes within `bits` (4, 6 or 8) or each
+    an entry of `codebook`, scales and offsets exact in float16 (a centred weight's offsets are -centre * scale,
+    not stored)."""
+    if group_size not in GROUPS or q.shape[1] % group_size or bits not in BITS or codebook not in (0, *CODEBOOKS):
+        return False
+    if codebook and (centre != 128 or not bool(_CODE_INDEX[codebook][q.long()].ge(0).all())):
         return False
     if bits < 8 and q.numel() and int(q.max()) >= 1 << bits:
         return False
@@ -85,13 +105,16 @@ def can_pack(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_s
 
 
 def pack(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int, bits: int,
-         centre: int = 0) -> PackedWeight:
+         centre: int = 0, codebook: int = 0) -> PackedWeight:
     """The kernel's layout for codes q uint8 [n, k] with scale and offset float32 [n, k // group_size];
-    with centre (symmetric codes: offset = -centre * scale) the offsets are not stored. Raises ValueError
-    where `can_pack` is false."""
-    if not can_pack(q, scale, offset, group_size, bits, centre):
+    with centre (symmetric codes: offset = -centre * scale) the offsets are not stored; with codebook (q
+    that codebook's 8-bit codes) each code is stored as its 4-bit index. Raises ValueError where `can_pack`
+    is false."""
+    if not can_pack(q, scale, offset, group_size, bits, centre, codebook):
         raise ValueError("packed matmul needs groups of 32 or 16 inputs, codes within their width and float16-exact "
                          "scales and offsets")
+    if codebook:
+        q, bits = _CODE_INDEX[codebook][q.long()].to(torch.uint8), 4
     n, k = q.shape
     groups, blocks = -(-n // COLUMNS), k // group_size
     rows = group_size // (4 if bits == 8 else 8)  # 64-byte code rows per block (of nibbles, below 8 bits)
@@ -117,7 +140,7 @@ def pack(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size:
 
     parts = [codes, per_block(scale)] + ([per_block(offset)] if has_offset else [])
     data = torch.cat(parts, dim=-1).contiguous()
-    return PackedWeight(data, n, k, bits, has_offset, group_size, centre)
+    return PackedWeight(data, n, k, bits, has_offset, group_size, centre, codebook=codebook)
 
 
 def split_rows(pw: PackedWeight, rows: int) -> list[PackedWeight] | None:
@@ -128,7 +151,7 @@ def split_rows(pw: PackedWeight, rows: int) -> list[PackedWeight] | None:
     each = rows // COLUMNS
     supers = pw.super_scales
     return [PackedWeight(pw.data[i * each : (i + 1) * each], rows, pw.k, pw.bits, pw.has_offset, pw.group, pw.centre,
-                         on_huge_pages=pw.on_huge_pages,
+                         on_huge_pages=pw.on_huge_pages, codebook=pw.codebook,
                          super_scales=None if supers is None else supers[i * each : (i + 1) * each])
             for i in range(pw.n // rows)]
 
@@ -161,13 +184,14 @@ def packing_through(cache) -> Iterator[None]:
 
 
 def pack_gguf(parts: list[tuple[np.ndarray, int, torch.Tensor | None]], bits: int, group: int,
-              centre: int = 0) -> PackedWeight | None:
+              centre: int = 0, codebook: int = 0) -> PackedWeight | None:
     """GGUF tensors (block bytes [rows, bytes] from the mapped file, ggml type id, row order or None) fused
     along the output dim straight into the layout (csrc/gguf_repack.cpp): the bytes `pack` makes from
     packing.from_gguf's codes with float16-rounded scales, without the float32 temporaries. None where the
     packer refuses them (sizes that disagree with a type, a scale or offset not finite in float16): the
     caller then takes the checked Python path, which says what is wrong or keeps the weights another way.
-    centre: every part's symmetric centre (packing.CENTRES), its offsets then not stored; or 0."""
+    centre: every part's symmetric centre (packing.CENTRES), its offsets then not stored; or 0. codebook:
+    every part's (packing.CODEBOOK_OF), its nibbles then kept as indices (bits 4); or 0."""
     orders = [None if order is None else order.to(torch.int64).contiguous() for _, _, order in parts]
     arrays = [np.ascontiguousarray(raw) for raw, _, _ in parts]  # views of the mapping: no copy
     structs = (abi.KvflowGgufPart * len(parts))(*[
@@ -178,12 +202,12 @@ def pack_gguf(parts: list[tuple[np.ndarray, int, torch.Tensor | None]], bits: in
     own_scales = group == GROUP and not centre and k % SUPER_INPUTS == 0 and all(
         qtype in OWN_SCALE_TYPES for _, qtype, _ in parts)
     shape = (-(-n // COLUMNS), k // group, group * COLUMNS * bits // 8 + (32 if centre or own_scales else 64))
-    signature = [n, k, bits, group, centre, own_scales, [[qtype, *raw.shape, _order_digest(order)]
+    signature = [n, k, bits, group, centre, own_scales, codebook, [[qtype, *raw.shape, _order_digest(order)]
                                                          for raw, (_, qtype, _), order in zip(arrays, parts, orders)]]
     cached = None if PACK_CACHE is None else PACK_CACHE.take(signature)
     if cached is not None:  # the same call's bytes from an earlier load, mapped (loader/packed_cache.py)
         return None if not cached.ok else PackedWeight(
-            cached.data, n, k, bits, not centre, group, centre, super_scales=cached.supers,
+            cached.data, n, k, bits, not centre, group, centre, super_scales=cached.supers, codebook=codebook,
             on_huge_pages=True)  # stays on the file's pages: a copy would cost what the mapping saves
     nbytes = shape[0] * shape[1] * shape[2]
     # Written once, in place, on huge pages (a small weight on pages it shares): no copy onto them later.
@@ -191,11 +215,11 @@ def pack_gguf(parts: list[tuple[np.ndarray, int, torch.Tensor | None]], bits: in
     data = (huge_page_zeros(nbytes) if small is None else small).view(shape)
     supers = torch.zeros(shape[0], k // SUPER_INPUTS * 64, dtype=torch.uint8) if own_scales else None
     rc = abi.native().kvflow_pack_gguf(parts=structs, count=len(parts), k=k, bits=bits, block=group, centre=centre,
-                                       out=data.data_ptr(), super_out=None if supers is None else supers.data_ptr(),
+                                       codebook=codebook, out=data.data_ptr(), super_out=None if supers is None else supers.data_ptr(),
                                        num_threads=torch.get_num_threads())
     if PACK_CACHE is not None:
         PACK_CACHE.add(signature, rc == 0, data if rc == 0 else None, supers if rc == 0 else None)
-    pw = PackedWeight(data, n, k, bits, not centre, group, centre,
+    pw = PackedWeight(data, n, k, bits, not centre, group, centre, codebook=codebook,
                       on_huge_pages=small is not None or nbytes >= MIN_BYTES, super_scales=supers)
     return pw if rc == 0 else None
 
@@ -229,6 +253,8 @@ def codes(pw: PackedWeight, rows: torch.Tensor | None = None) -> tuple[torch.Ten
             top = code[..., 64 * code_rows :].reshape(-1, blocks, code_rows // 2, COLUMNS, 4)[picked, :, :, col]
             pairs = torch.stack([(top >> (2 * i)) & 3 for i in range(4)], dim=3)  # [R, blocks, row, i, t]
             q = q | (pairs.reshape(len(rows), blocks, pw.group) << 4)
+        if pw.codebook:
+            q = CODEBOOKS[pw.codebook][q.long()]
         q = q.float()
     else:
         q = code.view(-1, blocks, code_rows, COLUMNS, 4)[picked, :, :, col].float()  # [R, blocks, row, t]
@@ -302,7 +328,7 @@ def refine_top(x: torch.Tensor, pw: PackedWeight, y: torch.Tensor, block_abs_sum
 def block_abs_sum(pw: PackedWeight) -> torch.Tensor:
     """float32 [k // group]: per block of inputs, the largest sum of |w| over an output row (refine_top's
     bound), in one threaded pass over the codes (no dequantized copy: an 8B model's head is 2 GB of floats)."""
-    signature = ["block_abs_sum", pw.n, pw.k, pw.bits, pw.group]  # of the weight packed just before
+    signature = ["block_abs_sum", pw.n, pw.k, pw.bits, pw.group, pw.codebook]  # of the weight packed just before
     cached = None if PACK_CACHE is None else PACK_CACHE.take(signature)
     if cached is not None:
         return cached.data.view(torch.float32)

@@ -14,17 +14,30 @@ pytestmark = pytest.mark.skipif(not packed_matmul.available(), reason="needs a C
 
 
 def parts(bq: BlockQuant) -> tuple:
-    return bq.q, bq.scale, bq.offset, bq.group_size, bq.bits
+    return bq.q, bq.scale, bq.offset, bq.group_size, bq.bits, bq.centre, bq.codebook
 
 
 def pack(bq: BlockQuant) -> packed_matmul.PackedWeight:
     return packed_matmul.pack(*parts(bq))
 
 
-def codes(bits: int, n: int, k: int, seed: int = 0) -> BlockQuant:
+LAYOUTS = [4, 6, 8, "IQ4_NL", "MXFP4"]  # code widths, and the codebook types (4-bit indices)
+BOOKS = {"IQ4_NL": 1, "MXFP4": 2}
+
+
+def codes(bits: int | str, n: int, k: int, seed: int = 0) -> BlockQuant:
     """GGUF-like codes: float16 scales (Q4_1-style offsets for 4 bits, Q6_K's -32 d for 6 (stored), Q8_0's
-    -128 d for 8)."""
+    -128 d for 8); for a codebook type, random entries of its codebook centred on 128 (MXFP4's scales powers
+    of two)."""
     g = torch.Generator().manual_seed(seed)
+    if bits in BOOKS:
+        book = BOOKS[bits]
+        q = packed_matmul.CODEBOOKS[book][torch.randint(0, 16, (n, k), generator=g)]
+        if bits == "MXFP4":
+            scale = torch.ldexp(torch.ones(n, k // 32), -torch.randint(5, 9, (n, k // 32), generator=g))
+        else:
+            scale = (torch.rand(n, k // 32, generator=g) * 0.002).half().float()
+        return BlockQuant(q, scale, -128.0 * scale, 32, 8, 128, book)
     w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 0.1
     bq = quantize_weight(w, "int4" if bits == 4 else "int8", 32)
     if bits == 6:  # the 8-bit codes' top six bits, four times the step
@@ -34,11 +47,12 @@ def codes(bits: int, n: int, k: int, seed: int = 0) -> BlockQuant:
     return bq
 
 
-@pytest.mark.parametrize("bits", [4, 6, 8])
+@pytest.mark.parametrize("bits", LAYOUTS)
 @pytest.mark.parametrize(("n", "k"), [(100, 64), (960, 576), (576, 1536)])
 def test_layout_round_trip_and_accuracy(bits, n, k):
     bq = codes(bits, n, k)
     pw = pack(bq)
+    assert pw.bits == (4 if bits in BOOKS else bits)  # a codebook type: 4.5 bits a weight, not 8.5
     assert torch.equal(packed_matmul.dequantize(pw), bq.dequantize())  # the file's weights, bit for bit
     rows = torch.tensor([0, 17, n - 1])
     assert torch.equal(packed_matmul.dequantize(pw, rows), bq.dequantize()[rows])
@@ -51,7 +65,7 @@ def test_layout_round_trip_and_accuracy(bits, n, k):
     assert ((y.double() - ref).abs() <= bound).all()
 
 
-@pytest.mark.parametrize("bits", [4, 6, 8])
+@pytest.mark.parametrize("bits", LAYOUTS)
 # 200 x 576: VNNI below 16 rows, AMX int8 tiles from 16 where the CPU has them; on one thread at one row.
 # 960 x 576: the same paths, split across threads already at one row (a layer's qkv projection). 2048 x 64:
 # a wide, shallow matrix like the output head, on tiles 8 rows high at 8 rows and 16 high from 16.
@@ -86,7 +100,9 @@ def test_codes_it_cannot_keep_exactly_are_refused():
     inexact = BlockQuant(bq.q, bq.scale * (1 + 2**-20), bq.offset, 32, 4)  # scales not float16 values
     wide = quantize_weight(torch.randn(32, 128), "int8", 64)
     eight_in_six = BlockQuant(codes(8, 32, 64).q | 0x80, bq.scale, bq.offset, 32, 6)  # codes past 63
-    for bad in (inexact, wide, eight_in_six):
+    iq4 = codes("IQ4_NL", 32, 64)
+    off_the_book = BlockQuant(iq4.q ^ 1, iq4.scale, iq4.offset, 32, 8, 128, 1)  # codes not in the codebook
+    for bad in (inexact, wide, eight_in_six, off_the_book):
         assert not packed_matmul.can_pack(*parts(bad))
         with pytest.raises(ValueError, match="groups of 32"):
             pack(bad)
@@ -94,7 +110,7 @@ def test_codes_it_cannot_keep_exactly_are_refused():
         packed_matmul.matmul(torch.randn(2, 64, dtype=torch.float64), pack(bq))
 
 
-@pytest.mark.parametrize("bits", [4, 6, 8])
+@pytest.mark.parametrize("bits", LAYOUTS)
 def test_exact_top_gives_the_exact_argmax(bits):
     """Outputs within two error bounds of a row's largest are recomputed from the codes in double: the
     argmax, and those values, are the exact product's; the others stay within the bound."""
@@ -114,7 +130,7 @@ def test_exact_top_gives_the_exact_argmax(bits):
     assert ((y.double() - exact).abs() <= layer.error_bound(x)).all()
 
 
-@pytest.mark.parametrize("bits", [4, 6, 8])
+@pytest.mark.parametrize("bits", LAYOUTS)
 def test_block_abs_sum_is_the_largest_row_sum_of_each_block(bits):
     """The weight statistic behind exact_top's bound, from the codes in C++: per block of inputs, the
     largest sum of |w| over the output rows (here against the dequantized rows summed in double)."""

@@ -42,15 +42,20 @@ def matmul(lib, pw, x: torch.Tensor, threads: int = 2, input_bits: int = 16) -> 
     return y
 
 
-@pytest.mark.parametrize("bits", [4, 6, 8])
+@pytest.mark.parametrize(("bits", "codebook"), [(4, 0), (6, 0), (8, 0), (4, 1), (4, 2)])
 @pytest.mark.parametrize(("n", "k"), [(200, 64), (960, 576), (3072, 576), (576, 1536)])
-def test_packed_matmul_is_bitwise_equal_on_every_tier(bits, n, k):
-    g = torch.Generator().manual_seed(n + bits)
+def test_packed_matmul_is_bitwise_equal_on_every_tier(bits, codebook, n, k):
+    g = torch.Generator().manual_seed(n + bits + codebook)
     bq = quantize_weight(torch.randn(n, k, generator=g) * 0.1, "int4" if bits == 4 else "int8", 32)
     q = bq.q >> 2 if bits == 6 else bq.q  # 6-bit codes: the 8-bit ones' top six bits
     bq.scale = bq.scale.half().float()
     bq.offset = bq.offset.half().float() if bits == 4 else -128.0 * bq.scale
-    pw = packed_matmul.pack(q, bq.scale, bq.offset, bq.group_size, bits)
+    if codebook:  # random entries of the codebook (IQ4_NL's, MXFP4's), held as 4-bit indices
+        q = packed_matmul.CODEBOOKS[codebook][torch.randint(0, 16, (n, k), generator=g)]
+        bq.offset = -128.0 * bq.scale
+    pw = packed_matmul.pack(q, bq.scale, bq.offset, bq.group_size, 8 if codebook else bits, 128 if codebook else 0,
+                            codebook)
+    assert pw.bits == bits
     for m in (1, 3, 8, 17, 40):  # VNNI, AMX 8- and 16-row tiles where the CPU has them
         x = torch.randn(m, k, generator=g) * 2
         for input_bits in (8, 16):

@@ -18,7 +18,7 @@ from kvflow.loader import gguf_file
 
 
 # Types without a packed kernel: loaded through the gguf package's dequantizer, exactly as it decodes them.
-@pytest.mark.parametrize("qtype", ["IQ2_XS", "IQ3_S", "MXFP4", "TQ1_0"])
+@pytest.mark.parametrize("qtype", ["IQ2_XS", "IQ3_S", "IQ1_M", "TQ1_0"])
 def test_a_type_without_a_packed_kernel_loads_dequantized(qtype, tmp_path, caplog):
     path = write_gguf(tmp_path / f"{qtype}.gguf", "llama", qtype, random_bytes=True)
     reader = gguf_file.open_gguf(path)
@@ -76,6 +76,42 @@ def test_q6_k_weights_stay_packed_in_blocks_of_16_and_answer(q6_k_gguf):
     llm = LLM(str(q6_k_gguf), threads=2, max_model_len=1024)
     down = llm.engine.runner.model.layers[0].mlp.down_proj
     assert isinstance(down, PackedLinear) and (down.packed.group, down.packed.bits) == (16, 6)
+    answer = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                      SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
+    assert "Paris" in answer, answer
+
+
+@pytest.mark.parametrize("qtype", ["IQ4_NL", "IQ4_XS"])
+def test_iq4_encoders_round_trip_through_gguf(qtype):
+    """The test encoders (gguf_files.quantize_iq4_*) write bytes the gguf package decodes to within one step
+    of the table's spacing: the layouts are ggml's."""
+    from gguf_files import quantize_iq4_nl, quantize_iq4_xs
+
+    w = np.random.default_rng(2).standard_normal((4, 512)).astype(np.float32)
+    raw = (quantize_iq4_nl if qtype == "IQ4_NL" else quantize_iq4_xs)(w)
+    back = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])
+    largest_gap = 24 / 127  # of the table's values, in units of a block's largest |w|
+    blocks = np.abs(w).reshape(4, -1, 32).max(-1, keepdims=True)
+    assert (np.abs(back - w).reshape(4, -1, 32) <= blocks * largest_gap * 1.3).all()
+
+
+@pytest.fixture(scope="module")
+def table_gguf(tmp_path_factory, default_gguf):
+    """The default model with its attention and gate/up weights in IQ4_NL, down projections in IQ4_XS (the
+    only rows that are whole super-blocks of 256) and nothing else changed."""
+    def pick(name: str) -> str | None:
+        return "IQ4_XS" if ".ffn_down" in name else ("IQ4_NL" if ".attn_" in name or ".ffn_" in name else None)
+
+    return requantize(default_gguf, tmp_path_factory.mktemp("iq4") / "smollm2-iq4.gguf", pick)
+
+
+def test_iq4_weights_stay_packed_as_four_bit_indices_and_answer(table_gguf):
+    """IQ4_NL and IQ4_XS run as 4-bit indices into their codebook (4.5 bits a weight read, not 8.5; the
+    kernels' sums are checked bitwise on every tier in kernel_tests), and the model still answers."""
+    llm = LLM(str(table_gguf), threads=2, max_model_len=1024)
+    layer = llm.engine.runner.model.layers[0]
+    for proj in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert isinstance(proj, PackedLinear) and (proj.packed.bits, proj.packed.codebook) == (4, 1)
     answer = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                       SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
     assert "Paris" in answer, answer

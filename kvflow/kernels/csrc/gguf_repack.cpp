@@ -21,10 +21,27 @@ namespace {
 // ggml's type ids (ggml.h), for the types the packed kernel holds.
 enum GgmlType : int32_t {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13,
-  kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23,
+  kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23, kMXFP4 = 39,
 };
 
-constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+using kvflow::packed::kCodebook;
+
+// The codebook of a type whose nibbles index a table (kvflow_cpu.h), else 0.
+int32_t codebook_of(int32_t type) {
+  switch (type) {
+    case kIQ4_NL: case kIQ4_XS: return 1;
+    case kMXFP4: return 2;
+    default: return 0;
+  }
+}
+
+// A table type's code for nibble i: the index itself where the packed weight keeps the codebook (MXFP4's
+// -0, index 8, as +0, index 0: the same weight, and the one index packed_matmul.pack writes), else its
+// 8-bit code.
+inline uint8_t table_code(int32_t type, int i, bool indices) {
+  if (!indices) return kCodebook[codebook_of(type)][i];
+  return type == kMXFP4 && i == 8 ? 0 : static_cast<uint8_t>(i);
+}
 
 using kvflow::packed::half_value;
 
@@ -43,7 +60,7 @@ void k_scales(const uint8_t* b, uint16_t* d, uint16_t* dmin, uint8_t* sc, uint8_
 // The codes' centre c of a symmetric type (w = scale (q - c): offset = -c scale, not stored), else 0.
 int32_t centre_of(int32_t type) {
   switch (type) {
-    case kQ8_0: case kIQ4_NL: case kIQ4_XS: return 128;
+    case kQ8_0: case kIQ4_NL: case kIQ4_XS: case kMXFP4: return 128;
     case kQ5_0: return 16;
     case kQ4_0: return 8;
     case kQ6_K: return 32;
@@ -52,10 +69,11 @@ int32_t centre_of(int32_t type) {
   }
 }
 
-// The bits the type's codes (as decode_block gives them) need.
-int code_bits(int32_t type) {
+// The bits the type's codes (as decode_block gives them) need: a table type's indices 4, its codes 8.
+int code_bits(int32_t type, bool indices) {
   switch (type) {
-    case kQ8_0: case kIQ4_NL: case kIQ4_XS: return 8;
+    case kIQ4_NL: case kIQ4_XS: case kMXFP4: return indices ? 4 : 8;
+    case kQ8_0: return 8;
     case kQ6_K: return 6;
     case kQ5_0: case kQ5_1: case kQ5_K: return 5;
     default: return 4;
@@ -71,6 +89,7 @@ bool block_shape(int32_t type, int* elements, int* bytes, int* group) {
     case kQ5_0: *elements = 32; *bytes = 22; *group = 32; return true;
     case kQ5_1: *elements = 32; *bytes = 24; *group = 32; return true;
     case kIQ4_NL: *elements = 32; *bytes = 18; *group = 32; return true;
+    case kMXFP4: *elements = 32; *bytes = 17; *group = 32; return true;
     case kQ4_K: *elements = 256; *bytes = 144; *group = 32; return true;
     case kQ5_K: *elements = 256; *bytes = 176; *group = 32; return true;
     case kQ6_K: *elements = 256; *bytes = 210; *group = 16; return true;
@@ -82,7 +101,8 @@ bool block_shape(int32_t type, int* elements, int* bytes, int* group) {
 }
 
 // One block of a type: codes q[elements], and per sub-block scale[] and offset[] (w = scale q + offset).
-void decode_block(int32_t type, const uint8_t* b, uint8_t* q, float* scale, float* offset) {
+// indices: a table type's codes are its nibbles (the packed weight keeps the codebook).
+void decode_block(int32_t type, const uint8_t* b, uint8_t* q, float* scale, float* offset, bool indices) {
   switch (type) {
     case kQ8_0: {
       const float d = half_value(b);
@@ -100,9 +120,18 @@ void decode_block(int32_t type, const uint8_t* b, uint8_t* q, float* scale, floa
       if (type == kQ4_1) offset[0] = half_value(b + 2);
       if (type == kQ4_0) offset[0] = -8.f * d;
       if (type == kIQ4_NL) {
-        for (int i = 0; i < 32; ++i) q[i] = static_cast<uint8_t>(kIq4Values[q[i]] + 128);
+        for (int i = 0; i < 32; ++i) q[i] = table_code(type, q[i], indices);
         offset[0] = -128.f * d;
       }
+      return;
+    }
+    case kMXFP4: {  // e (E8M0), then nibbles as Q4_0's: w = 2^(e - 128) * (doubled E2M1 value)
+      for (int i = 0; i < 16; ++i)
+        q[i] = table_code(type, b[1 + i] & 15, indices), q[i + 16] = table_code(type, b[1 + i] >> 4, indices);
+      // Only a power of two that float16 holds exactly is kept; any other makes the packer refuse (NaN).
+      const int e = b[0] - 128;
+      scale[0] = e >= -24 && e <= 15 ? std::ldexp(1.f, e) : NAN;
+      offset[0] = -128.f * scale[0];
       return;
     }
     case kQ5_0:
@@ -186,10 +215,8 @@ void decode_block(int32_t type, const uint8_t* b, uint8_t* q, float* scale, floa
         const int ls = ((b[4 + j / 2] >> (4 * (j % 2))) & 15) | (((high >> (2 * j)) & 3) << 4);
         scale[j] = d * static_cast<float>(ls - 32), offset[j] = -128.f * scale[j];
         const uint8_t* qs = b + 8 + 16 * j;
-        for (int i = 0; i < 16; ++i) {
-          q[32 * j + i] = static_cast<uint8_t>(kIq4Values[qs[i] & 15] + 128);
-          q[32 * j + 16 + i] = static_cast<uint8_t>(kIq4Values[qs[i] >> 4] + 128);
-        }
+        for (int i = 0; i < 16; ++i)
+          q[32 * j + i] = table_code(type, qs[i] & 15, indices), q[32 * j + 16 + i] = table_code(type, qs[i] >> 4, indices);
       }
       return;
     }
@@ -206,8 +233,11 @@ bool to_half(float x, kvflow::float16* out) {  // nearest float16; false where i
 }  // namespace
 
 extern "C" int32_t kvflow_pack_gguf(const KvflowGgufPart* parts, int32_t count, int64_t k, int32_t bits, int32_t block,
-                                    int32_t centre, uint8_t* out, uint8_t* super_out, int32_t num_threads) {
+                                    int32_t centre, int32_t codebook, uint8_t* out, uint8_t* super_out,
+                                    int32_t num_threads) {
   if (count <= 0 || !kvflow::packed::valid_bits(bits) || !kvflow::packed::valid_block(block) || k <= 0) return -1;
+  if (codebook && (bits != 4 || centre != 128 || super_out)) return -1;
+  const bool indices = codebook != 0;
   if (super_out) {  // the K-quants' own scales: every part Q4_K or Q5_K, blocks of 32
     if (block != 32 || centre || k % kvflow::packed::kSuperInputs) return -1;
     for (int32_t p = 0; p < count; ++p)
@@ -217,13 +247,14 @@ extern "C" int32_t kvflow_pack_gguf(const KvflowGgufPart* parts, int32_t count, 
   for (int32_t p = 0; p < count; ++p) {
     int elements, bytes, group;
     if (!block_shape(parts[p].type, &elements, &bytes, &group) || k % elements || group % block ||
-        parts[p].row_bytes != k / elements * bytes || code_bits(parts[p].type) > bits ||
-        parts[p].rows <= 0 || (centre && centre_of(parts[p].type) != centre))
+        parts[p].row_bytes != k / elements * bytes || code_bits(parts[p].type, indices) > bits ||
+        parts[p].rows <= 0 || (centre && centre_of(parts[p].type) != centre) ||
+        (indices && codebook_of(parts[p].type) != codebook))
       return -1;
     n += parts[p].rows;
   }
   const int64_t groups = (n + 15) / 16, blocks = k / block;
-  const KvflowPackedWeight layout{nullptr, 0, k, bits, centre ? 0 : 1, block, centre, super_out};
+  const KvflowPackedWeight layout{nullptr, 0, k, bits, centre ? 0 : 1, block, centre, super_out, codebook};
   const size_t code_bytes = kvflow::packed::code_bytes(layout), chunk = kvflow::packed::chunk_bytes(layout);
   const int64_t supers = k / kvflow::packed::kSuperInputs;
   std::atomic<int32_t> failed{0};
@@ -262,7 +293,7 @@ extern "C" int32_t kvflow_pack_gguf(const KvflowGgufPart* parts, int32_t count, 
         const uint8_t* in = part.data + src * part.row_bytes;
         const int per_block = elements / groups_of[c];
         for (int64_t e = 0; e < k / elements; ++e)
-          decode_block(part.type, in + e * bytes, qc + e * elements, sc + e * per_block, oc + e * per_block);
+          decode_block(part.type, in + e * bytes, qc + e * elements, sc + e * per_block, oc + e * per_block, indices);
         if (super_out)
           for (int64_t e = 0; e < supers; ++e) {
             k_scales(in + e * bytes, &super_d[c * supers + e], &super_dmin[c * supers + e],

@@ -27,6 +27,9 @@ extern "C" {
 // 256 inputs 16 float16 d then 16 float16 dmin (64 bytes, at (g * (k / 256) + b / 8) * 64): scale =
 // d * sc and offset = -(dmin * m), both exact in float32, as the file has them (4.625 bits a 4-bit weight,
 // not 5).
+// With a codebook (4 bits only; the types whose 16 values are a table, not a line: IQ4_NL and IQ4_XS 1,
+// MXFP4 2) each nibble is an index, and the code q the sums use is that codebook's entry (an 8-bit code
+// centred on 128, kvflow_packed_codebook): 4.5 bits a weight read, not 8.5.
 struct KvflowPackedWeight {
   const uint8_t* data;
   int64_t n;  // output features (a multiple of 16 is stored; columns past n are zero)
@@ -37,7 +40,12 @@ struct KvflowPackedWeight {
   int32_t centre;  // without stored offsets: offset = -centre * scale (symmetric codes, Q8_0's 128,
                    // Q4_0's 8, Q6_K's 32...), or no offset where centre is 0
   const uint8_t* super_scales;  // null: float16 scales (and offsets) in each block's bytes
+  int32_t codebook;             // 0: a nibble is the code; 1 or 2: an index into that codebook
 };
+
+// The 16 8-bit codes of codebook `book` (1: IQ4_NL's values + 128, 2: MXFP4's doubled E2M1 values + 128)
+// into out; returns 0, or -1 for a codebook it does not know.
+int32_t kvflow_packed_codebook(int32_t book, uint8_t* out);
 
 // Row-count crossovers inside the kernels, set by the executor from its table (kvflow/executors/
 // thresholds.py) before the first call; until then no AMX tiles, and the thread team for every row count.
@@ -85,7 +93,7 @@ void kvflow_packed_block_abs_sum(const KvflowPackedWeight* w, float* out, int32_
 
 // One GGUF tensor as rows of a packed weight: `rows` rows of row_bytes block bytes of ggml type `type`
 // (Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q2_K 10, Q3_K 11, Q4_K 12, Q5_K 13, Q6_K 14, IQ4_NL 20,
-// IQ4_XS 23); output row i is source row row_order[i] (null: row i).
+// IQ4_XS 23, MXFP4 39); output row i is source row row_order[i] (null: row i).
 struct KvflowGgufPart {
   const uint8_t* data;
   int64_t rows, row_bytes;
@@ -101,9 +109,10 @@ struct KvflowGgufPart {
 // scale or offset is not finite in float16 (out then unusable).
 // With super_out (parts all Q4_K or Q5_K, blocks of 32) the K-quants' own scales are kept (the
 // super_scales layout above: sc and m bytes in each block, d and dmin into super_out, (n + 15) / 16 *
-// (k / 256) * 64 bytes), exactly.
+// (k / 256) * 64 bytes), exactly. With codebook (bits 4, every part of a type of that codebook) the
+// nibbles are the file's indices.
 int32_t kvflow_pack_gguf(const KvflowGgufPart* parts, int32_t count, int64_t k, int32_t bits, int32_t block,
-                         int32_t centre, uint8_t* out, uint8_t* super_out, int32_t num_threads);
+                         int32_t centre, int32_t codebook, uint8_t* out, uint8_t* super_out, int32_t num_threads);
 
 // A step's place in the paged KV cache, the same for every layer. Sequence b owns query rows
 // query_start[b] .. query_start[b + 1]; they are its last rows of seq_lens[b] positions, whose blocks are

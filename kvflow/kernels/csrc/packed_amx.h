@@ -36,17 +36,18 @@ void configure_tiles(int tile_rows) {
   kvflow::load_tile_config(c);
 }
 
-// 4- or 6-bit codes of one block -> 8 rows of 64 unsigned bytes (row 2r: the codes of row r's low nibbles,
+// 4- or 6-bit codes of one block (4-bit ones through their codebook) -> 8 rows of 64 unsigned bytes (row 2r: the codes of row r's low nibbles,
 // 2r + 1: of its high ones), the 8-bit layout the tiles read.
-inline void widen_codes(const uint8_t* src, int bits, uint8_t* dst) {
-  const __m512i low_nibble = _mm512_set1_epi8(0x0f);
+inline void widen_codes(const uint8_t* src, int bits, int codebook, uint8_t* dst) {
+  const __m512i low_nibble = _mm512_set1_epi8(0x0f), book = vnni::codebook_vector(codebook);
   for (int r = 0; r < 4; ++r) {
     __m512i first, second;
     if (bits == 6) {
       vnni::six_bit_codes<kBlock>(src, r, &first, &second);
-    } else {
+    } else {  // nibbles, through the codebook (the identity where there is none)
       const __m512i v = _mm512_loadu_si512(src + 64 * r);
-      first = _mm512_and_si512(v, low_nibble), second = _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibble);
+      first = _mm512_shuffle_epi8(book, _mm512_and_si512(v, low_nibble));
+      second = _mm512_shuffle_epi8(book, _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibble));
     }
     _mm512_store_si512(dst + 128 * r, first);
     _mm512_store_si512(dst + 128 * r + 64, second);
@@ -74,7 +75,7 @@ void amx_groups(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const R
     if (widened)
       for (int64_t b = 0; b < nb; ++b) {
         prefetch_ahead(group + b * chunk, chunk);
-        widen_codes(group + b * chunk, w.bits, wide + b * 512);
+        widen_codes(group + b * chunk, w.bits, w.codebook, wide + b * 512);
       }
     const int64_t left = w.n - g * 16;
     const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);

@@ -138,13 +138,18 @@ inline __m256i broadcast4(const int8_t* p) {  // four input digits, in every 32-
 // digits (16-bit inputs), else one (8-bit). The code width (Bits) and the offset are template arguments too, so
 // that only the sums a format uses are live: with run-time flags the compiler kept all of them and
 // spilled the accumulators to the stack.
-template <int Block, int M, int H, bool Two, int Bits, bool HasOffset>
+// Book: 4-bit indices into w.codebook, whose 8-bit codes go as their two nibbles (two vpshufb from the
+// index, one per nibble's table), as 8-bit codes do.
+template <int Block, int M, int H, bool Two, int Bits, bool HasOffset, bool Book = false>
 void tile(const KvflowPackedWeight& w, int64_t g, int half, const Rows& rows, float* y, int64_t y_stride) {
   const int64_t nb = w.k / Block;
   const size_t chunk = chunk_bytes(w), codes_end = code_bytes(w);
-  constexpr bool has_offset = HasOffset, four_bit = Bits == 4;
+  constexpr bool has_offset = HasOffset, four_bit = Bits == 4 && !Book;
   const uint8_t* base = w.data + static_cast<size_t>(g) * nb * chunk;
   const __m256i low_nibble = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  const CodebookNibbles tables(Book ? w.codebook : 0);
+  const __m256i book_low = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(tables.low)));
+  const __m256i book_high = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(tables.high)));
   __m256 acc[M][H];
   for (int r = 0; r < M; ++r)
     for (int h = 0; h < H; ++h) acc[r][h] = _mm256_setzero_ps();
@@ -173,7 +178,23 @@ void tile(const KvflowPackedWeight& w, int64_t g, int half, const Rows& rows, fl
     };
     constexpr std::integral_constant<int, 0> low;
     constexpr std::integral_constant<int, 1> high;
-    if constexpr (four_bit) {
+    if constexpr (Book) {
+      for (int row = 0; row < Block / 8; ++row) {  // indices as the 4-bit rows; each looked up twice
+        __m256i idx[2][H];
+        for (int h = 0; h < H; ++h) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + at + 64 * row + 32 * (half + h)));
+          idx[0][h] = _mm256_and_si256(v, low_nibble);
+          idx[1][h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibble);
+        }
+        for (int part = 0; part < 2; ++part) {
+          __m256i lo[H], hi[H];
+          for (int h = 0; h < H; ++h)
+            lo[h] = _mm256_shuffle_epi8(book_low, idx[part][h]), hi[h] = _mm256_shuffle_epi8(book_high, idx[part][h]);
+          step(2 * row + part, low, lo);
+          step(2 * row + part, high, hi);
+        }
+      }
+    } else if constexpr (four_bit) {
       for (int row = 0; row < Block / 8; ++row) {  // low nibbles are inputs 8 row .. +3, high ones +4 .. +7
         __m256i lo[H], hi[H];
         for (int h = 0; h < H; ++h) {
@@ -278,7 +299,12 @@ struct Avx2 {
   template <int Block, int M, bool Two>
   static void with_format(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y,
                           int64_t ys) {
-    if (w.bits == 4)
+    if (w.codebook)  // centred on 128: always an offset
+      for (int64_t g = g_lo; g < g_hi; ++g) {
+        avx2::tile<Block, M, 1, Two, 4, true, true>(w, g, 0, rows, y, ys);
+        avx2::tile<Block, M, 1, Two, 4, true, true>(w, g, 1, rows, y, ys);
+      }
+    else if (w.bits == 4)
       with_offset<Block, M, Two, 4>(w, g_lo, g_hi, rows, y, ys);
     else if (w.bits == 6)
       with_offset<Block, M, Two, 6>(w, g_lo, g_hi, rows, y, ys);

@@ -80,15 +80,39 @@ inline bool valid_block(int32_t block) { return block == kBlock || block == kSma
 
 inline bool valid_bits(int32_t bits) { return bits == 4 || bits == 6 || bits == 8; }
 
+// The codebooks (kvflow_cpu.h): entry i is the 8-bit code (value + 128) of a nibble i. IQ4_NL's values are
+// ggml's kvalues_iq4nl; MXFP4's are E2M1's {0, 0.5, 1, 1.5, 2, 3, 4, 6} and their negatives, doubled to
+// whole numbers (the scale carries the half).
+constexpr int kCodebooks = 2;
+alignas(16) constexpr uint8_t kCodebook[kCodebooks + 1][16] = {
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},  // no codebook: the nibble itself
+    {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241},
+    {128, 129, 130, 131, 132, 134, 136, 140, 128, 127, 126, 125, 124, 122, 120, 116},
+};
+
+// A weight's layout is one the kernels take: bits and block, and a codebook only on 4-bit codes.
+inline bool valid_layout(const KvflowPackedWeight& w) {
+  return valid_block(w.block) && valid_bits(w.bits) && w.k % w.block == 0 && w.codebook >= 0 &&
+         w.codebook <= kCodebooks && (w.codebook == 0 || w.bits == 4);
+}
+
+// A codebook's low and high nibbles (code = 16 high + low), for tiers that take 8-bit codes a nibble at a time.
+struct CodebookNibbles {
+  alignas(16) uint8_t low[16], high[16];
+  explicit CodebookNibbles(int book) {
+    for (int i = 0; i < 16; ++i) low[i] = kCodebook[book][i] & 15, high[i] = kCodebook[book][i] >> 4;
+  }
+};
+
 // Where a 6-bit block's rows of top bits start: after its low nibbles, laid out as a 4-bit block's codes.
 inline size_t top_bits_at(int block) { return code_bytes(block, 4); }
 
 // The code of input `input` of column `column` in one block's bytes (the layout in kvflow_cpu.h).
-inline int code_at(const uint8_t* block, int bits, int column, int input, int block_inputs) {
+inline int code_at(const uint8_t* block, int bits, int column, int input, int block_inputs, int codebook) {
   if (bits == 8) return block[64 * (input / 4) + 4 * column + input % 4];
   const uint8_t byte = block[64 * (input / 8) + 4 * column + input % 4];
   const int low = (input % 8) < 4 ? (byte & 0x0f) : (byte >> 4);
-  if (bits == 4) return low;
+  if (bits == 4) return kCodebook[codebook][low];
   const uint8_t top = block[top_bits_at(block_inputs) + 64 * (input / 16) + 4 * column + input % 4];
   return low | (((top >> (2 * ((input % 16) / 4))) & 3) << 4);
 }

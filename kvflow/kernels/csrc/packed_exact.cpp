@@ -31,7 +31,7 @@ double exact_column(const KvflowPackedWeight& w, int64_t j, const float* x) {
     const float* xb = x + b * w.block;
     double dot = 0.0, sum = 0.0;
     for (int k = 0; k < w.block; ++k) {
-      dot += static_cast<double>(code_at(at, w.bits, c, k, w.block)) * xb[k];
+      dot += static_cast<double>(code_at(at, w.bits, c, k, w.block, w.codebook)) * xb[k];
       sum += xb[k];
     }
     total += scale * dot + offset * sum;
@@ -99,7 +99,7 @@ extern "C" void kvflow_packed_rows(const KvflowPackedWeight* w, const int64_t* i
       float scale, offset;
       kvflow::packed::column_scale_offset(*w, ids[i] / 16, b, at, c, &scale, &offset);
       for (int k = 0; k < w->block; ++k)  // scale * q is exact: one rounding
-        row[b * w->block + k] = static_cast<float>(code_at(at, w->bits, c, k, w->block)) * scale + offset;
+        row[b * w->block + k] = static_cast<float>(code_at(at, w->bits, c, k, w->block, w->codebook)) * scale + offset;
     }
   }
 }
@@ -122,7 +122,7 @@ extern "C" void kvflow_packed_block_abs_sum(const KvflowPackedWeight* w, float* 
           kvflow::packed::column_scale_offset(*w, g, b, at, c, &scale, &offset);
           double total = 0.0;  // each weight as kvflow_packed_rows gives it
           for (int i = 0; i < w->block; ++i)
-            total += std::fabs(static_cast<float>(code_at(at, w->bits, c, i, w->block)) * scale + offset);
+            total += std::fabs(static_cast<float>(code_at(at, w->bits, c, i, w->block, w->codebook)) * scale + offset);
           const float sum = static_cast<float>(total);
           mine[b] = sum > mine[b] ? sum : mine[b];
         }

@@ -71,10 +71,15 @@ extern "C" int32_t kvflow_packed_matmul_path(void) {
 #endif
 }
 
+extern "C" int32_t kvflow_packed_codebook(int32_t book, uint8_t* out) {
+  if (book < 0 || book > kvflow::packed::kCodebooks) return -1;
+  std::memcpy(out, kvflow::packed::kCodebook[book], 16);
+  return 0;
+}
+
 extern "C" int32_t kvflow_packed_matmul(const KvflowPackedWeight* w, const float* x, int64_t x_stride, int32_t m,
                                         float* y, int64_t y_stride, int32_t input_bits, int32_t num_threads) {
-  if (!kvflow::packed::valid_block(w->block) || w->k % w->block || !kvflow::packed::valid_bits(w->bits) || m <= 0 ||
-      (input_bits != 8 && input_bits != 16))
+  if (!kvflow::packed::valid_layout(*w) || m <= 0 || (input_bits != 8 && input_bits != 16))
     return -1;
   const int block = w->block;
   const int64_t nb = w->k / block;
@@ -130,8 +135,8 @@ extern "C" int32_t kvflow_packed_matmul_many(const KvflowPackedWeight* w, int32_
   const int64_t k = w[0].k;
   const int block = w[0].block;
   for (int i = 0; i < count; ++i)
-    if (w[i].k != k || w[i].block != block || !kvflow::packed::valid_block(block) || k % block ||
-        !kvflow::packed::valid_bits(w[i].bits) || w[i].n > y_stride || (rows && rows[i] < 0))
+    if (w[i].k != k || w[i].block != block || !kvflow::packed::valid_layout(w[i]) || w[i].n > y_stride ||
+        (rows && rows[i] < 0))
       return -1;
   if ((input_bits != 8 && input_bits != 16) || (rows && x_stride == 0)) return -1;
   const bool eight = input_bits == 8;

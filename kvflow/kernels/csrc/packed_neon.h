@@ -42,6 +42,9 @@ void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, in
   const float32x4_t minus_centre = vdupq_n_f32(-static_cast<float>(w.centre));
   const uint8_t* base = w.data + static_cast<size_t>(g) * nb * chunk;
   const uint8x16_t low_nibble = vdupq_n_u8(0x0f);
+  const bool book = w.codebook != 0;  // 8-bit codes from 4-bit indices, a nibble at a time (as eight_bit)
+  const CodebookNibbles tables(w.codebook);
+  const uint8x16_t book_low = vld1q_u8(tables.low), book_high = vld1q_u8(tables.high);
   float32x4_t acc[M][4];
   for (int r = 0; r < M; ++r)
     for (int q = 0; q < 4; ++q) acc[r][q] = vdupq_n_f32(0.f);
@@ -73,7 +76,24 @@ void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, in
     const std::integral_constant<int, 4> high;
     const int rows_per_block = eight_bit ? w.block / 4 : w.block / 8;
     const uint8x16_t top_pair = vdupq_n_u8(0x30);
-    for (int row = 0; row < rows_per_block; ++row) {
+    if (book) {  // indices as the 4-bit rows; each looked up in the codebook's two nibble tables
+      for (int row = 0; row < rows_per_block; ++row) {
+        int8x16_t lo[4], hi[4], lo_top[4], hi_top[4];
+        for (int q = 0; q < 4; ++q) {
+          const uint8x16_t v = vld1q_u8(block + 64 * row + 16 * q);
+          const uint8x16_t i_lo = vandq_u8(v, low_nibble), i_hi = vshrq_n_u8(v, 4);
+          lo[q] = vreinterpretq_s8_u8(vqtbl1q_u8(book_low, i_lo));
+          lo_top[q] = vreinterpretq_s8_u8(vqtbl1q_u8(book_high, i_lo));
+          hi[q] = vreinterpretq_s8_u8(vqtbl1q_u8(book_low, i_hi));
+          hi_top[q] = vreinterpretq_s8_u8(vqtbl1q_u8(book_high, i_hi));
+        }
+        step(2 * row, lo, plain);
+        step(2 * row, lo_top, high);
+        step(2 * row + 1, hi, plain);
+        step(2 * row + 1, hi_top, high);
+      }
+    }
+    for (int row = 0; row < (book ? 0 : rows_per_block); ++row) {
       int8x16_t lo[4], hi[4];
       for (int q = 0; q < 4; ++q) {
         const uint8x16_t v = vld1q_u8(block + 64 * row + 16 * q);

@@ -30,7 +30,7 @@ void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, in
         const int8_t* xl = rows.lo ? rows.lo + r * rows.stride + b * inputs : nullptr;
         int32_t dot_h = 0, dot_l = 0;
         for (int i = 0; i < inputs; ++i) {
-          const int q = code_at(block, w.bits, c, i, inputs);
+          const int q = code_at(block, w.bits, c, i, inputs, w.codebook);
           dot_h += q * xh[i];
           if (xl) dot_l += q * xl[i];
         }

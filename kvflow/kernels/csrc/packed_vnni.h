@@ -87,6 +87,10 @@ inline void scales_offsets(const KvflowPackedWeight& w, int64_t g, int64_t b, co
   *offset = w.has_offset ? halves(s + 32) : _mm512_mul_ps(*scale, _mm512_set1_ps(-static_cast<float>(w.centre)));
 }
 
+inline __m512i codebook_vector(int book) {  // the codebook in each 128-bit lane, for vpshufb
+  return _mm512_maskz_broadcast_i32x4(0xffff, _mm_load_si128(reinterpret_cast<const __m128i*>(kCodebook[book])));
+}
+
 inline __m512i broadcast4(const int8_t* p) {  // four input digits, in every 32-bit lane
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -126,6 +130,7 @@ void tile_group(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float*
   const bool any_offset = w.has_offset != 0 || w.centre != 0;
   const uint8_t* base = w.data + static_cast<size_t>(g) * nb * chunk;
   const __m512i low_nibble = _mm512_set1_epi8(0x0f);
+  const __m512i book = codebook_vector(w.codebook);
   __m512 acc[M];
   for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -140,7 +145,13 @@ void tile_group(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float*
           sum_lo[r] = _mm512_dpbusd_epi32(sum_lo[r], codes, broadcast4(rows.lo + r * rows.stride + b * Block + 4 * quad));
       }
     };
-    if (w.bits == 4) {
+    if (w.bits == 4 && w.codebook) {  // each nibble looked up in the codebook (one vpshufb)
+      for (int row = 0; row < Block / 8; ++row) {
+        const __m512i v = _mm512_loadu_si512(block + 64 * row);
+        step(2 * row, _mm512_shuffle_epi8(book, _mm512_and_si512(v, low_nibble)));
+        step(2 * row + 1, _mm512_shuffle_epi8(book, _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibble)));
+      }
+    } else if (w.bits == 4) {
       for (int row = 0; row < Block / 8; ++row) {  // 64 bytes: low nibbles are inputs 8 row .. +3, high +4 .. +7
         const __m512i v = _mm512_loadu_si512(block + 64 * row);
         step(2 * row, _mm512_and_si512(v, low_nibble));

@@ -86,10 +86,10 @@ def gguf_linear(
             layers = [gguf_linear(run_parts, run_orders) for run_parts, run_orders in runs]
             if all(isinstance(layer, PackedLinear) for layer in layers):
                 return PackedParts(layers, bias)
-        bits, group, centre = packed_form([qtype for _, qtype in parts])
+        bits, group, centre, codebook = packed_form([qtype for _, qtype in parts])
         pw = packed_matmul.pack_gguf(
             [(raw, gguf.GGMLQuantizationType[qtype].value, row_orders[i] if row_orders is not None else None)
-             for i, (raw, qtype) in enumerate(parts)], bits, group, centre)
+             for i, (raw, qtype) in enumerate(parts)], bits, group, centre, codebook)
         if pw is not None:
             return PackedLinear(pw, bias)
     codes = []

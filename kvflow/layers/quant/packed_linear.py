@@ -1,6 +1,6 @@
 """4-, 6- and 8-bit group-wise linear on kvflow's own kernel (kernels/packed_matmul): the GGUF types of
-packing.PACKED_BITS (Q6_K and the 5-bit ones with free offsets as 6-bit codes, Q5_0 and the IQ4 tables as
-8-bit ones), in blocks of 32 or 16 inputs.
+packing.PACKED_BITS (Q6_K and the 5-bit ones with free offsets as 6-bit codes, Q5_0 in 6 bits too, IQ4_NL,
+IQ4_XS and MXFP4 as 4-bit indices into their codebooks), in blocks of 32 or 16 inputs.
 
 Where the kernels build (a C++ compiler; every CPU tier), it replaces Int4Linear and Int8BlockLinear: the codes
 and float16 scales are stored as the GGUF has them, so the weights it multiplies by are the file's own
@@ -26,7 +26,7 @@ class PackedLinear(QuantLinear):
     def __init__(self, bq: BlockQuant | packed_matmul.PackedWeight, bias: torch.Tensor | None = None) -> None:
         """From codes, or from bytes already in the kernel's layout (packed_matmul.pack_gguf)."""
         if isinstance(bq, BlockQuant):
-            bq = packed_matmul.pack(bq.q, bq.scale, bq.offset, bq.group_size, bq.bits, bq.centre)
+            bq = packed_matmul.pack(bq.q, bq.scale, bq.offset, bq.group_size, bq.bits, bq.centre, bq.codebook)
         super().__init__(bq.k, bq.n, bias)
         self.packed = bq
         self._block_abs_sum: torch.Tensor | None = None  # for error_bound, computed on first use
@@ -34,7 +34,7 @@ class PackedLinear(QuantLinear):
     @staticmethod
     def can_build(bq: BlockQuant) -> bool:
         return packed_matmul.available() and packed_matmul.can_pack(bq.q, bq.scale, bq.offset, bq.group_size, bq.bits,
-                                                                    bq.centre)
+                                                                    bq.centre, bq.codebook)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -45,7 +45,7 @@ class PackedLinear(QuantLinear):
         if torch.compiler.is_compiling():
             p = self.packed
             y = torch.ops.kvflow.packed_matmul(x2, p.data, self.out_features, p.bits, p.has_offset, p.group, p.centre,
-                                               p.super_scales)
+                                               p.super_scales, p.codebook)
         else:
             y = packed_matmul.matmul(x2, self.packed)
         if self.bias is not None:
@@ -80,7 +80,7 @@ class PackedLinear(QuantLinear):
         if torch.compiler.is_compiling():
             p = self.packed
             flat = torch.ops.kvflow.packed_rows(ids.reshape(-1), p.data, p.n, p.k, p.bits, p.has_offset, p.group,
-                                                p.centre, p.super_scales)
+                                                p.centre, p.super_scales, p.codebook)
             return flat.view(*ids.shape, self.in_features)
         return packed_matmul.rows(self.packed, ids)
 
@@ -116,26 +116,27 @@ class PackedLinear(QuantLinear):
 
 @torch.library.custom_op("kvflow::packed_matmul", mutates_args=())
 def _packed_matmul_op(x: torch.Tensor, data: torch.Tensor, n: int, bits: int, has_offset: bool,
-                      group: int, centre: int, super_scales: torch.Tensor | None) -> torch.Tensor:
+                      group: int, centre: int, super_scales: torch.Tensor | None, codebook: int) -> torch.Tensor:
     # An op of its own so that torch.compile calls the kernel rather than tracing into ctypes.
-    pw = packed_matmul.PackedWeight(data, n, x.shape[1], bits, has_offset, group, centre, super_scales=super_scales)
+    pw = packed_matmul.PackedWeight(data, n, x.shape[1], bits, has_offset, group, centre, super_scales=super_scales,
+                                    codebook=codebook)
     return packed_matmul.matmul(x, pw)
 
 
 @_packed_matmul_op.register_fake
 def _(x: torch.Tensor, data: torch.Tensor, n: int, bits: int, has_offset: bool, group: int,
-      centre: int, super_scales: torch.Tensor | None) -> torch.Tensor:
+      centre: int, super_scales: torch.Tensor | None, codebook: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], n)
 
 
 @torch.library.custom_op("kvflow::packed_rows", mutates_args=())
 def _packed_rows_op(ids: torch.Tensor, data: torch.Tensor, n: int, k: int, bits: int, has_offset: bool,
-                    group: int, centre: int, super_scales: torch.Tensor | None) -> torch.Tensor:
+                    group: int, centre: int, super_scales: torch.Tensor | None, codebook: int) -> torch.Tensor:
     return packed_matmul.rows(packed_matmul.PackedWeight(data, n, k, bits, has_offset, group, centre,
-                                                         super_scales=super_scales), ids)
+                                                         super_scales=super_scales, codebook=codebook), ids)
 
 
 @_packed_rows_op.register_fake
 def _(ids: torch.Tensor, data: torch.Tensor, n: int, k: int, bits: int, has_offset: bool, group: int,
-      centre: int, super_scales: torch.Tensor | None) -> torch.Tensor:
+      centre: int, super_scales: torch.Tensor | None, codebook: int) -> torch.Tensor:
     return data.new_empty(ids.shape[0], k, dtype=torch.float32)

@@ -5,11 +5,13 @@ Every format here is an affine code per group of `group_size` inputs along a row
     w[n, k] = scale[n, g] * q[n, k] + offset[n, g],   g = k // group_size,  q unsigned
 
 GGUF Q8_0 (q8 signed, w = d*q8) becomes q = q8 + 128, offset = -128 d; Q4_0 (w = d*(q-8)) becomes
-offset = -8 d; Q4_1 (w = d*q + m) is already affine. The 5-bit formats and IQ4_NL are held as 8-bit codes
+offset = -8 d; Q4_1 (w = d*q + m) is already affine. The 5-bit formats and the table types are held as 8-bit codes
 (the packed kernel stores the 5-bit ones in its 6-bit layout: LAYOUT_BITS): Q5_0 (w = d*(q5-16)) q = q5,
 offset = -16 d, centre 16 (centred_at_128 shifts it to Q8_0's centring for PyTorch's int8 kernels); Q5_1
 (w = d*q5 + m) q = q5, offset = m; IQ4_NL (w = d*table[i], a fixed 16-entry table of int8 values)
-q = table[i] + 128, offset = -128 d.
+q = table[i] + 128, offset = -128 d; MXFP4 (w = 2^(e-128) * table[i], its E2M1 values doubled, e an E8M0
+exponent) likewise. The table types' codes are all entries of their codebook (`codebook`), so the packed
+kernel stores each as its 4-bit index (kernels/packed_matmul.CODEBOOKS): 4.5 bits a weight, not 8.5.
 With d an f16 value, d*q and the offset are exact in float32, so `dequantize` reproduces
 gguf.quants.dequantize bit for bit.
 
@@ -30,26 +32,28 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvflow.kernels.packed_matmul import CODEBOOKS
+
 QK = 32  # elements per GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL block
 _BLOCK_BYTES = {"Q8_0": 2 + QK, "Q4_0": 2 + QK // 2, "Q4_1": 4 + QK // 2, "Q5_0": 6 + QK // 2, "Q5_1": 8 + QK // 2,
-                "IQ4_NL": 2 + QK // 2}
+                "IQ4_NL": 2 + QK // 2, "MXFP4": 1 + QK // 2}
 QK_K = 256  # elements per K-quant super-block
 _SUPER_BLOCK_BYTES = {"Q4_K": 4 + 12 + QK_K // 2, "Q5_K": 4 + 12 + QK_K // 8 + QK_K // 2,
                       "Q6_K": QK_K // 2 + QK_K // 4 + QK_K // 16 + 2, "Q3_K": QK_K // 8 + QK_K // 4 + 12 + 2,
                       "Q2_K": QK_K // 16 + QK_K // 4 + 4, "IQ4_XS": 4 + QK_K // 64 + QK_K // 2}
 PACKED_BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 8, "Q5_1": 8, "Q8_0": 8, "IQ4_NL": 8, "Q4_K": 4, "Q5_K": 8,
-               "Q6_K": 8, "Q3_K": 4, "Q2_K": 4, "IQ4_XS": 8}
+               "Q6_K": 8, "Q3_K": 4, "Q2_K": 4, "IQ4_XS": 8, "MXFP4": 8}
 # The packed kernel's code width per type, where it differs from the codes above: 6 bits hold Q6_K's codes
 # and the 5-bit ones (Q5_0, Q5_1, Q5_K), 6.5 to 7 bits a weight with their scales, not 8.5 to 9 as 8-bit
 # codes. (A fused layer whose parts need two layouts keeps two packed weights: layers/quant/packed_parts.py.)
 LAYOUT_BITS = {**PACKED_BITS, "Q5_0": 6, "Q5_1": 6, "Q5_K": 6, "Q6_K": 6}
 # The symmetric types' centre c: w = scale * (q - c), so offset = -c * scale is not stored (the packed
 # kernel derives it, exactly). The others (Q4_1, Q5_1, Q4_K, Q5_K, Q2_K) have free offsets (mins).
-CENTRES = {"Q8_0": 128, "Q5_0": 16, "IQ4_NL": 128, "IQ4_XS": 128, "Q4_0": 8, "Q6_K": 32, "Q3_K": 4}
+CENTRES = {"Q8_0": 128, "Q5_0": 16, "IQ4_NL": 128, "IQ4_XS": 128, "MXFP4": 128, "Q4_0": 8, "Q6_K": 32, "Q3_K": 4}
+# The table types' codebooks (kernels/packed_matmul.CODEBOOKS): their 8-bit codes are always one of 16 values.
+CODEBOOK_OF = {"IQ4_NL": 1, "IQ4_XS": 1, "MXFP4": 2}
 GROUP_16_TYPES = ("Q6_K", "Q3_K", "Q2_K")  # a scale per 16 inputs; every other type has one per 32
 ROUNDED_SCALE_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS")  # exact in float32 only: rounded to f16
-# IQ4_NL's values (ggml's kvalues_iq4nl), as 8-bit codes q = value + 128.
-_IQ4_NL_CODES = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]) + 128
 
 
 @dataclass
@@ -62,6 +66,7 @@ class BlockQuant:
     group_size: int
     bits: int  # 4 (q in 0..15) or 8 (q in 0..255)
     centre: int = 0  # offset = -centre * scale for every group (symmetric codes), or 0: offsets free
+    codebook: int = 0  # every code is an entry of CODEBOOKS[codebook] (the table types), or 0
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -85,6 +90,7 @@ def from_gguf(raw: np.ndarray, qtype: str) -> BlockQuant:
         raw = raw.copy()
     bq = _from_k_quant(raw, qtype) if qtype in _SUPER_BLOCK_BYTES else _from_blocks(raw, qtype)
     bq.centre = CENTRES.get(qtype, 0)
+    bq.codebook = CODEBOOK_OF.get(qtype, 0)
     return bq
 
 
@@ -93,6 +99,10 @@ def _from_blocks(raw: np.ndarray, qtype: str) -> BlockQuant:
     if row_bytes % _BLOCK_BYTES[qtype]:
         raise ValueError(f"{qtype} rows must be whole blocks of {_BLOCK_BYTES[qtype]} bytes, got {row_bytes}")
     blocks = torch.from_numpy(raw).view(n, row_bytes // _BLOCK_BYTES[qtype], _BLOCK_BYTES[qtype])
+    if qtype == "MXFP4":  # e, then nibbles as Q4_0's; 2^(e - 128) is exact in float32 for every e
+        d = torch.ldexp(torch.ones(blocks.shape[:-1]), blocks[..., 0].to(torch.int32) - 128)
+        q = CODEBOOKS[2][_nibbles(blocks[..., 1:]).long()].reshape(n, -1)
+        return BlockQuant(q, d, -128.0 * d, QK, 8)
     d = _f16(blocks[..., 0:2])
     if qtype == "Q8_0":
         q = (blocks[..., 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
@@ -105,7 +115,7 @@ def _from_blocks(raw: np.ndarray, qtype: str) -> BlockQuant:
             return BlockQuant(q, d, _f16(blocks[..., 2:4]), QK, 8)
         return BlockQuant(q, d, -16.0 * d, QK, 8)  # d * (q5 - 16)
     if qtype == "IQ4_NL":
-        q = _IQ4_NL_CODES.to(torch.uint8)[_nibbles(blocks[..., 2:]).long()].reshape(n, -1)
+        q = CODEBOOKS[1][_nibbles(blocks[..., 2:]).long()].reshape(n, -1)
         return BlockQuant(q, d, -128.0 * d, QK, 8)
     nibbles = blocks[..., 4:] if qtype == "Q4_1" else blocks[..., 2:]
     offset = _f16(blocks[..., 2:4]) if qtype == "Q4_1" else -8.0 * d
@@ -186,7 +196,7 @@ def _iq4_xs(blocks: torch.Tensor, _: str) -> tuple[torch.Tensor, torch.Tensor, t
     high = _bits_of(torch.cat([blocks[..., 2:4], torch.zeros_like(blocks[..., 2:4])], dim=-1))[..., :16]
     top = high.reshape(n, -1, 8, 2)
     ls = (low | (top[..., 0] << 4) | (top[..., 1] << 5)).float() - 32.0
-    q = _IQ4_NL_CODES.to(torch.uint8)[_nibbles(blocks[..., 8:].reshape(n, -1, 8, 16)).long()]
+    q = CODEBOOKS[1][_nibbles(blocks[..., 8:].reshape(n, -1, 8, 16)).long()]
     scale = _f16(blocks[..., 0:2]).unsqueeze(-1) * ls
     return q, scale, -128.0 * scale, QK
 
@@ -201,12 +211,14 @@ def _k_scales_and_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return sc, m
 
 
-def packed_form(qtypes: list[str]) -> tuple[int, int, int]:
-    """(bits, group, centre) of one packed layer fused from tensors of these types: the widest part's code
-    width (LAYOUT_BITS), blocks of 16 if any part's scales cover 16, and the parts' common centre (or 0)."""
-    centres = {CENTRES.get(q, 0) for q in qtypes}
-    return (max(LAYOUT_BITS[q] for q in qtypes), 16 if any(q in GROUP_16_TYPES for q in qtypes) else 32,
-            centres.pop() if len(centres) == 1 else 0)
+def packed_form(qtypes: list[str]) -> tuple[int, int, int, int]:
+    """(bits, group, centre, codebook) of one packed layer fused from tensors of these types: the widest
+    part's code width (LAYOUT_BITS; 4-bit indices where every part shares a codebook), blocks of 16 if any
+    part's scales cover 16, the parts' common centre (or 0) and common codebook (or 0)."""
+    centres, books = {CENTRES.get(q, 0) for q in qtypes}, {CODEBOOK_OF.get(q, 0) for q in qtypes}
+    book = books.pop() if len(books) == 1 else 0
+    return (4 if book else max(LAYOUT_BITS[q] for q in qtypes), 16 if any(q in GROUP_16_TYPES for q in qtypes) else 32,
+            centres.pop() if len(centres) == 1 else 0, book)
 
 
 def centred_at_128(bq: BlockQuant) -> BlockQuant:
@@ -215,12 +227,12 @@ def centred_at_128(bq: BlockQuant) -> BlockQuant:
     if not bq.centre or bq.centre == 128 or bq.bits != 8:
         return bq
     return BlockQuant((bq.q.to(torch.int16) + 128 - bq.centre).to(torch.uint8), bq.scale, -128.0 * bq.scale,
-                      bq.group_size, 8, 128)
+                      bq.group_size, 8, 128)  # codebook: none (Q5_0's codes come from none)
 
 
 def as_8_bit(bq: BlockQuant) -> BlockQuant:
     """The same weights as 8-bit codes (4-bit codes 0..15 are 8-bit ones), to fuse with 8-bit parts."""
-    return BlockQuant(bq.q, bq.scale, bq.offset, bq.group_size, 8, bq.centre)
+    return BlockQuant(bq.q, bq.scale, bq.offset, bq.group_size, 8, bq.centre, bq.codebook)
 
 
 def with_group(bq: BlockQuant, group_size: int) -> BlockQuant:
@@ -230,7 +242,7 @@ def with_group(bq: BlockQuant, group_size: int) -> BlockQuant:
         raise ValueError(f"groups of {bq.group_size} cannot be split into groups of {group_size}")
     times = bq.group_size // group_size
     return BlockQuant(bq.q, bq.scale.repeat_interleave(times, dim=1), bq.offset.repeat_interleave(times, dim=1),
-                      group_size, bq.bits, bq.centre)
+                      group_size, bq.bits, bq.centre, bq.codebook)
 
 
 def round_scales_to_f16(bq: BlockQuant) -> BlockQuant:
@@ -238,7 +250,7 @@ def round_scales_to_f16(bq: BlockQuant) -> BlockQuant:
     weight's offsets stay -centre * scale (of the rounded scale: the kernel derives them so)."""
     scale = bq.scale.half().float()
     offset = -bq.centre * scale if bq.centre else bq.offset.half().float()
-    return BlockQuant(bq.q, scale, offset, bq.group_size, bq.bits, bq.centre)
+    return BlockQuant(bq.q, scale, offset, bq.group_size, bq.bits, bq.centre, bq.codebook)
 
 
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:
@@ -269,13 +281,14 @@ def concat_rows(parts: list[BlockQuant]) -> BlockQuant:
         first.group_size,
         first.bits,
         first.centre if all(p.centre == first.centre for p in parts) else 0,
+        first.codebook if all(p.codebook == first.codebook for p in parts) else 0,
     )
 
 
 def permute_rows(bq: BlockQuant, index: torch.Tensor) -> BlockQuant:
     """Reorder output rows: row i of the result is row index[i]. Groups run along the input dim, so
     a row permutation moves whole rows of q, scale and offset together."""
-    return BlockQuant(bq.q[index], bq.scale[index], bq.offset[index], bq.group_size, bq.bits, bq.centre)
+    return BlockQuant(bq.q[index], bq.scale[index], bq.offset[index], bq.group_size, bq.bits, bq.centre, bq.codebook)
 
 
 def unpermute_rope_index(n_rows: int, n_heads: int) -> torch.Tensor:

@@ -4,8 +4,8 @@
 // compiles and runs it. Prints one line per check and exits non-zero on the first failure.
 //
 //   packed matmul   bitwise equal to a reference of its arithmetic written here (input digits, exact
-//                   integer block sums, the float epilogue), 4-, 6- and 8-bit codes, 16- and 8-bit inputs, 1 to
-//                   9 rows, 1 and 2 threads
+//                   integer block sums, the float epilogue), 4-, 6- and 8-bit codes and 4-bit codebook
+//                   indices, 16- and 8-bit inputs, 1 to 9 rows, 1 and 2 threads
 //   paged attention every row against a double-precision softmax, float32 and float16 caches, blocks
 //                   token-major and head-major
 //   row ops         rms_scale and silu_mul against plain loops
@@ -160,6 +160,24 @@ void check_super_scales(const std::vector<uint8_t>& q, int n, int bits) {
   check_weight(w, codes_q, scale, offset);
 }
 
+// The codebooks of kvflow_cpu.h, written out here: IQ4_NL's values and MXFP4's doubled E2M1 values, + 128.
+const uint8_t kBooks[2][16] = {{1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241},
+                               {128, 129, 130, 131, 132, 134, 136, 140, 128, 127, 126, 125, 124, 122, 120, 116}};
+
+// The same 4-bit data as indices into each codebook: the codes the sums use are its entries, centred on 128.
+void check_codebooks(const std::vector<uint8_t>& data, const std::vector<uint8_t>& q, const std::vector<float>& scale,
+                     const std::vector<float>& offset, int n, int k, int block) {
+  for (int book : {1, 2}) {
+    uint8_t table[16];
+    if (kvflow_packed_codebook(book, table) != 0 || std::memcmp(table, kBooks[book - 1], 16) != 0)
+      fail("codebook differs from the one written here");
+    std::vector<uint8_t> codes(q.size());
+    for (size_t i = 0; i < q.size(); ++i) codes[i] = kBooks[book - 1][q[i]];
+    KvflowPackedWeight w{data.data(), n, k, 4, 0, block, 128, nullptr, book};
+    check_weight(w, codes, scale, offset);
+  }
+}
+
 void check_packed_matmul() {
   KvflowTuning tuning{16, 8, 8};
   kvflow_set_tuning(&tuning);
@@ -182,8 +200,9 @@ void check_packed_matmul() {
           if (!has_offset)  // the same codes as symmetric ones: offsets -centre * scale, derived, not stored
             check_weight({data.data(), n, k, bits, 0, block, 1 << (bits - 1)}, q, scale_f, offset_f);
           if (has_offset && block == 32 && bits != 8) check_super_scales(q, n, bits);
+          if (!has_offset && bits == 4) check_codebooks(data, q, scale_f, offset_f, n, k, block);
         }
-  std::printf("ok packed matmul (path %d), 4-, 6- and 8-bit codes, blocks of 32 and 16, stored, derived and K-quant "
+  std::printf("ok packed matmul (path %d), 4-, 6- and 8-bit codes and codebooks, blocks of 32 and 16, stored, derived and K-quant "
               "scales and offsets: "
               "bitwise equal to the reference\n", kvflow_packed_matmul_path());
 }

@@ -30,12 +30,16 @@ pytestmark = pytest.mark.skipif(not packed_matmul.available(), reason="needs a C
 HALVES = {"Q8_0": slice(0, 2), "Q4_0": slice(0, 2), "Q4_1": slice(0, 4), "Q5_0": slice(0, 2), "Q5_1": slice(0, 4),
           "IQ4_NL": slice(0, 2), "Q4_K": slice(0, 4), "Q5_K": slice(0, 4), "Q6_K": slice(208, 210),
           "Q3_K": slice(108, 110), "Q2_K": slice(80, 84), "IQ4_XS": slice(0, 2)}
+EXPONENTS = {"MXFP4": 0}  # where an E8M0 exponent sits: kept to powers of two that float16 holds
 
 
 def random_tensor(qtype: str, rows: int, k: int, seed: int) -> np.ndarray:
     elements, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (rows, k // elements, size), dtype=np.uint8)
+    if qtype in EXPONENTS:
+        raw[..., EXPONENTS[qtype]] = rng.integers(110, 134, (rows, k // elements))
+        return raw.reshape(rows, -1)
     halves = HALVES[qtype]
     count = (halves.stop - halves.start) // 2
     raw[..., halves] = rng.uniform(-0.05, 0.05, (rows, k // elements, count)).astype(np.float16).view(np.uint8)
@@ -52,8 +56,9 @@ def python_path(parts, orders, bits: int | None = None) -> packed_matmul.PackedW
         codes = [as_8_bit(bq) for bq in codes]
     smallest = min(bq.group_size for bq in codes)
     bq = concat_rows([with_group(c, smallest) for c in codes])
-    bits = bits or packed_form([q for _, q in parts])[0]
-    return packed_matmul.pack(bq.q, bq.scale, bq.offset, bq.group_size, bits, bq.centre)
+    form_bits, _, _, codebook = packed_form([q for _, q in parts])
+    return packed_matmul.pack(bq.q, bq.scale, bq.offset, bq.group_size, 8 if codebook else bits or form_bits, bq.centre,
+                              codebook if not bits else 0)
 
 
 def cpp_path(parts, orders) -> packed_matmul.PackedWeight:
@@ -70,7 +75,8 @@ OWN_SCALES = ("Q4_K", "Q5_K")  # packed with their own scales (packed_matmul.OWN
 def test_each_type_packs_to_the_python_paths_bytes(qtype):
     parts = [(random_tensor(qtype, 40, 512, 1), qtype)]  # 40 rows: a partial last group of 16
     want, got = python_path(parts, [None]), cpp_path(parts, [None])
-    assert (got.bits, got.group, got.has_offset, got.centre) == (want.bits, want.group, want.has_offset, want.centre)
+    assert (got.bits, got.group, got.has_offset, got.centre, got.codebook) == (
+        want.bits, want.group, want.has_offset, want.centre, want.codebook)
     assert got.centre == CENTRES.get(qtype, 0)  # symmetric types store no offsets
     assert torch.equal(got.data, want.data)
 

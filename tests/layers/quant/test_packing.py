@@ -9,7 +9,7 @@ from kvflow.layers.quant import concat_rows, from_gguf, permute_rows, unpermute_
 from kvflow.layers.quant.packing import round_scales_to_f16
 from kvflow.loader.gguf_file import unpermute_rope
 
-TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # the packed types gguf can quantize
+TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4")  # the packed types gguf can quantize
 
 
 def gguf_bytes(w: np.ndarray, qtype: str) -> np.ndarray:

@@ -157,10 +157,31 @@ def test_k_quants_and_iq4_run_on_the_packed_kernel(qtype, rows):
     layer = gguf_linear([(random_blocks(qtype, 64, 4), qtype)])
     assert isinstance(layer, PackedLinear)
     assert layer.packed.group == (16 if qtype in ("Q6_K", "Q3_K", "Q2_K") else 32)
+    if qtype.startswith("IQ4"):  # 4-bit indices into IQ4_NL's codebook and a float16 scale: 4.5 bits a weight
+        assert (layer.packed.bits, layer.packed.codebook) == (4, 1)
+        assert layer.nbytes() * 8 == layer.in_features * layer.out_features * 4.5
     w = layer.dequantize().float()
     x = torch.randn(rows, layer.in_features)
     y = layer(x)
     assert rel_err(y, x.double() @ w.double().t()) < RTOL_PACKED_KERNEL
+
+
+@needs_packed_kernel  # gguf_linear picks the packed kernel; without a compiler there is none to test
+def test_mxfp4_runs_on_the_packed_kernel_as_indices_with_the_files_weights():
+    """MXFP4 (gpt-oss's experts): E2M1 values and a power-of-two scale per 32, held as 4-bit indices into its
+    codebook with the scale in float16 (exact: a power of two float16 holds), so the layer multiplies by
+    exactly the weights gguf's dequantizer gives, 4.5 bits a weight."""
+    from kvflow.layers.quant import gguf_linear
+
+    w = np.random.default_rng(6).standard_normal((48, 512)).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.MXFP4)
+    layer = gguf_linear([(raw, "MXFP4")])
+    assert isinstance(layer, PackedLinear) and (layer.packed.bits, layer.packed.codebook) == (4, 2)
+    exact = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.MXFP4))
+    assert torch.equal(layer.dequantize(), exact)
+    x = torch.randn(5, 512)
+    assert rel_err(layer(x), x.double() @ exact.double().t()) < RTOL_PACKED_KERNEL
+    assert torch.equal(layer.exact_top(x).argmax(-1), (x.double() @ exact.double().t()).argmax(-1))
 
 
 @needs_packed_kernel  # gguf_linear picks the packed kernel; without a compiler there is none to test
