@@ -4,8 +4,9 @@
 //
 // vpmaddubsw saturates, so each product must stay small: 4-bit codes (0..15) times digits (-128..127)
 // give at most 3,840 per pair, and eight steps of a block summed in 16 bits stay below 32,767. 6- and
-// 8-bit codes go as their low nibble and the rest (c = 16 h + l), recombined in 32 bits. Every sum is
-// exact, and the float epilogue is the VNNI path's, lane for lane: the result is bitwise the same.
+// 8-bit codes go as their low nibble and the rest (c = 16 h + l), recombined in 32 bits; except 8-bit
+// codes times 16-bit inputs, which go through vpmaddwd on whole inputs (tile_wide). Every sum is exact, and
+// the float epilogue is the VNNI path's, lane for lane: the result is bitwise the same.
 #pragma once
 
 #include <immintrin.h>
@@ -270,6 +271,97 @@ void tile(const KvflowPackedWeight& w, int64_t g, int half, const Rows& rows, fl
   }
 }
 
+// Wide codes times 16-bit inputs: each code widened to 16 bits once (vpmovzxbw) and multiplied by the
+// whole 16-bit input through vpmaddwd, 16 products a step, where vpmaddubsw needs the input's two digits
+// and the code's two nibbles apart (four steps of 32 products for the same 32 weights and one row). The
+// integer sums are the same exact integers, and the epilogue is tile's, so the result is bitwise the same.
+// Columns 16 g .. + 16 for M (<= 2) rows. Taken for 8-bit codes only: for 6-bit codes and codebook
+// indices, building each 8-bit code costs what it saves (benchmarks/RESULTS.md, session 26).
+template <int Block, int M, int Bits, bool Book>
+void tile_wide(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, int64_t y_stride) {
+  static_assert(M >= 1 && M <= 2, "eight int32 accumulators a row");
+  const int64_t nb = w.k / Block;
+  const size_t chunk = chunk_bytes(w), codes_end = code_bytes(w);
+  const bool any_offset = w.has_offset != 0 || w.centre != 0;
+  const uint8_t* base = w.data + static_cast<size_t>(g) * nb * chunk;
+  const __m256i low_nibble = _mm256_set1_epi8(0x0f), top_pair = _mm256_set1_epi8(0x30);
+  const __m256i book = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kCodebook[Book ? w.codebook : 0])));
+  __m256 acc[M][2];
+  for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  alignas(32) int16_t x16[M][Block];  // each row's inputs of the block as 16-bit integers, 256 h + l
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* block = base + static_cast<size_t>(b) * chunk;
+    prefetch_ahead(block, chunk);
+    for (int r = 0; r < M; ++r)
+      for (int i = 0; i < Block; i += 16) {
+        const __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows.hi + r * rows.stride + b * Block + i)));
+        const __m256i l = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows.lo + r * rows.stride + b * Block + i)));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(x16[r] + i), _mm256_add_epi16(_mm256_slli_epi16(h, 8), l));
+      }
+    // sums[r][c]: columns 4 c .. 4 c + 3, two int32 lanes a column (inputs 4 q, +1 and 4 q + 2, +3).
+    __m256i sums[M][4];
+    for (int r = 0; r < M; ++r)
+      for (int c = 0; c < 4; ++c) sums[r][c] = _mm256_setzero_si256();
+    for (int quad = 0; quad < Block / 4; ++quad) {
+      __m256i codes[2];  // 8-bit codes of inputs 4 quad .. + 3: columns 0-7, then 8-15
+      for (int half = 0; half < 2; ++half) {
+        if constexpr (Bits == 8) {
+          codes[half] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * quad + 32 * half));
+        } else {  // the 4-bit rows: quad 2 r in row r's low nibbles, 2 r + 1 in its high ones
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * (quad / 2) + 32 * half));
+          const __m256i nib = _mm256_and_si256(quad % 2 ? _mm256_srli_epi16(v, 4) : v, low_nibble);
+          if constexpr (Book) {
+            codes[half] = _mm256_shuffle_epi8(book, nib);
+          } else {  // Bits 6: bits 2 i, 2 i + 1 of row quad / 4 of top bits (i = quad % 4), moved to bits 4, 5
+            const __m256i top = _mm256_loadu_si256(
+                reinterpret_cast<const __m256i*>(block + top_bits_at(Block) + 64 * (quad / 4) + 32 * half));
+            const int i = quad % 4;
+            const __m256i moved = i == 0 ? _mm256_slli_epi16(top, 4) : i == 1 ? _mm256_slli_epi16(top, 2)
+                                : i == 2 ? top : _mm256_srli_epi16(top, 2);
+            codes[half] = _mm256_or_si256(nib, _mm256_and_si256(moved, top_pair));
+          }
+        }
+      }
+      __m256i wide[4];  // four columns each, as 16-bit codes
+      for (int half = 0; half < 2; ++half) {
+        wide[2 * half] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(codes[half]));
+        wide[2 * half + 1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(codes[half], 1));
+      }
+      for (int r = 0; r < M; ++r) {
+        int64_t four;
+        std::memcpy(&four, x16[r] + 4 * quad, 8);
+        const __m256i x = _mm256_set1_epi64x(four);
+        for (int c = 0; c < 4; ++c) sums[r][c] = _mm256_add_epi32(sums[r][c], _mm256_madd_epi16(wide[c], x));
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      __m256 scale, offset = _mm256_setzero_ps();
+      scales_offsets(w, g, b, block + codes_end, h, &scale, any_offset ? &offset : nullptr);
+      for (int r = 0; r < M; ++r) {
+        // Each column's two lanes summed, in column order: [c0 c1 c4 c5 | c2 c3 c6 c7] -> c0 .. c7.
+        const __m256i dot = _mm256_permute4x64_epi64(_mm256_hadd_epi32(sums[r][2 * h], sums[r][2 * h + 1]), 0xD8);
+        const __m256 col_scale = _mm256_mul_ps(scale, _mm256_set1_ps(rows.scale[r * rows.blocks + b]));
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), col_scale, acc[r][h]);
+        if (any_offset) acc[r][h] = _mm256_fmadd_ps(offset, _mm256_set1_ps(rows.sum[r * rows.blocks + b]), acc[r][h]);
+      }
+    }
+  }
+  for (int h = 0; h < 2; ++h) {
+    const int64_t col = g * 16 + 8 * h;
+    const int64_t left = w.n - col;
+    for (int r = 0; r < M; ++r) {
+      float* out = y + r * y_stride + col;
+      if (left >= 8) {
+        _mm256_storeu_ps(out, acc[r][h]);
+      } else if (left > 0) {
+        alignas(32) float tmp[8];
+        _mm256_store_ps(tmp, acc[r][h]);
+        std::memcpy(out, tmp, sizeof(float) * left);
+      }
+    }
+  }
+}
+
 }  // namespace avx2
 
 struct Avx2 {
@@ -299,6 +391,12 @@ struct Avx2 {
   template <int Block, int M, bool Two>
   static void with_format(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y,
                           int64_t ys) {
+    if constexpr (Two && M <= 2) {  // 8-bit codes times 16-bit inputs: vpmaddwd on whole inputs (tile_wide)
+      if (w.bits == 8) {
+        for (int64_t g = g_lo; g < g_hi; ++g) avx2::tile_wide<Block, M, 8, false>(w, g, rows, y, ys);
+        return;
+      }
+    }
     if (w.codebook)  // centred on 128: always an offset
       for (int64_t g = g_lo; g < g_hi; ++g) {
         avx2::tile<Block, M, 1, Two, 4, true, true>(w, g, 0, rows, y, ys);
