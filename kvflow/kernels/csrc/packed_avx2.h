@@ -275,17 +275,15 @@ void tile(const KvflowPackedWeight& w, int64_t g, int half, const Rows& rows, fl
 // whole 16-bit input through vpmaddwd, 16 products a step, where vpmaddubsw needs the input's two digits
 // and the code's two nibbles apart (four steps of 32 products for the same 32 weights and one row). The
 // integer sums are the same exact integers, and the epilogue is tile's, so the result is bitwise the same.
-// Columns 16 g .. + 16 for M (<= 2) rows. Taken for 8-bit codes only: for 6-bit codes and codebook
-// indices, building each 8-bit code costs what it saves (benchmarks/RESULTS.md, session 26).
-template <int Block, int M, int Bits, bool Book>
+// Columns 16 g .. + 16 for M (<= 2) rows. For 8-bit codes only: for 6-bit codes and codebook indices,
+// building each 8-bit code first cost what it saved (benchmarks/RESULTS.md, session 26).
+template <int Block, int M>
 void tile_wide(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, int64_t y_stride) {
   static_assert(M >= 1 && M <= 2, "eight int32 accumulators a row");
   const int64_t nb = w.k / Block;
   const size_t chunk = chunk_bytes(w), codes_end = code_bytes(w);
   const bool any_offset = w.has_offset != 0 || w.centre != 0;
   const uint8_t* base = w.data + static_cast<size_t>(g) * nb * chunk;
-  const __m256i low_nibble = _mm256_set1_epi8(0x0f), top_pair = _mm256_set1_epi8(0x30);
-  const __m256i book = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kCodebook[Book ? w.codebook : 0])));
   __m256 acc[M][2];
   for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   alignas(32) int16_t x16[M][Block];  // each row's inputs of the block as 16-bit integers, 256 h + l
@@ -303,30 +301,9 @@ void tile_wide(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* 
     for (int r = 0; r < M; ++r)
       for (int c = 0; c < 4; ++c) sums[r][c] = _mm256_setzero_si256();
     for (int quad = 0; quad < Block / 4; ++quad) {
-      __m256i codes[2];  // 8-bit codes of inputs 4 quad .. + 3: columns 0-7, then 8-15
-      for (int half = 0; half < 2; ++half) {
-        if constexpr (Bits == 8) {
-          codes[half] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * quad + 32 * half));
-        } else {  // the 4-bit rows: quad 2 r in row r's low nibbles, 2 r + 1 in its high ones
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * (quad / 2) + 32 * half));
-          const __m256i nib = _mm256_and_si256(quad % 2 ? _mm256_srli_epi16(v, 4) : v, low_nibble);
-          if constexpr (Book) {
-            codes[half] = _mm256_shuffle_epi8(book, nib);
-          } else {  // Bits 6: bits 2 i, 2 i + 1 of row quad / 4 of top bits (i = quad % 4), moved to bits 4, 5
-            const __m256i top = _mm256_loadu_si256(
-                reinterpret_cast<const __m256i*>(block + top_bits_at(Block) + 64 * (quad / 4) + 32 * half));
-            const int i = quad % 4;
-            const __m256i moved = i == 0 ? _mm256_slli_epi16(top, 4) : i == 1 ? _mm256_slli_epi16(top, 2)
-                                : i == 2 ? top : _mm256_srli_epi16(top, 2);
-            codes[half] = _mm256_or_si256(nib, _mm256_and_si256(moved, top_pair));
-          }
-        }
-      }
       __m256i wide[4];  // four columns each, as 16-bit codes
-      for (int half = 0; half < 2; ++half) {
-        wide[2 * half] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(codes[half]));
-        wide[2 * half + 1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(codes[half], 1));
-      }
+      for (int c = 0; c < 4; ++c)  // the code row of inputs 4 quad .. + 3, four columns at a time
+        wide[c] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 64 * quad + 16 * c)));
       for (int r = 0; r < M; ++r) {
         int64_t four;
         std::memcpy(&four, x16[r] + 4 * quad, 8);
@@ -393,7 +370,7 @@ struct Avx2 {
                           int64_t ys) {
     if constexpr (Two && M <= 2) {  // 8-bit codes times 16-bit inputs: vpmaddwd on whole inputs (tile_wide)
       if (w.bits == 8) {
-        for (int64_t g = g_lo; g < g_hi; ++g) avx2::tile_wide<Block, M, 8, false>(w, g, rows, y, ys);
+        for (int64_t g = g_lo; g < g_hi; ++g) avx2::tile_wide<Block, M>(w, g, rows, y, ys);
         return;
       }
     }
