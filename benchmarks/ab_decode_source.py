@@ -46,7 +46,8 @@ def main() -> None:
     for lib in libs.values():
         lib.kvflow_set_tuning(tuning=ROW_THRESHOLDS.kernel_tuning())
     llm = LLM(args.model, threads=args.threads, max_model_len=args.depth + args.steps + 64,
-              kv_cache_memory=1 << 30, enable_prefix_caching=False)
+              kv_cache_memory=1 << 30, enable_prefix_caching=False,
+              speculative_config="off")  # one token a step: the step is what is timed
     engine = llm.engine
     executor = engine.runner.executor
     if executor.native is None:

@@ -41,7 +41,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    llm = LLM(kv_cache_memory=512 << 20, threads=args.threads)
+    llm = LLM(kv_cache_memory=512 << 20, threads=args.threads, speculative_config="off")
     runner = llm.engine.runner
     native = abi.native()
     base = {f: getattr(ROW_THRESHOLDS, f) for f, _ in abi.KvflowTuning._fields_}

@@ -53,7 +53,8 @@ def main() -> None:
     rows = []
     for depth in depths:
         prompt = [rng.randrange(3, vocab) for _ in range(depth)]
-        engines = {dt: LLM(loaded_model=loaded, kv_cache_dtype=dt, kv_cache_memory=(depth + 256) * 24 * 1024 * 2)
+        engines = {dt: LLM(loaded_model=loaded, kv_cache_dtype=dt, kv_cache_memory=(depth + 256) * 24 * 1024 * 2,
+                           speculative_config="off")  # the caches' decode, not the drafts'
                    for dt in DTYPES}
         prefill = {dt: decode_rate(engines[dt], prompt)[1] for dt in DTYPES}  # fills the prefix cache
         rates: dict[str, list[float]] = {dt: [] for dt in DTYPES}

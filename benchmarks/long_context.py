@@ -54,7 +54,7 @@ import json, sys
 from kvflow import LLM, SamplingParams
 path, threads, depth, new, gen, kv = sys.argv[1], *map(int, sys.argv[2:6]), sys.argv[6]
 llm = LLM(path, threads=threads, max_model_len=depth + new + gen + 64, max_num_seqs=1, kv_cache_dtype=kv,
-          max_num_batched_tokens=512)
+          max_num_batched_tokens=512, speculative_config="off")  # as llama.cpp: no drafts
 llm.engine.warm_up()
 tokens = [100 + (i * 7919) % 20000 for i in range(depth + new)]
 if depth:

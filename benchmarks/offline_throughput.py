@@ -32,7 +32,8 @@ def make_prompts(tokenizer, n: int, low: int, high: int, seed: int) -> list[list
 
 
 def run_kvflow(prompts: list[list[int]], output_len: int, threads: int | None) -> tuple[float, int]:
-    llm = LLM(threads=threads, max_num_seqs=len(prompts), max_num_batched_tokens=2048)
+    llm = LLM(threads=threads, max_num_seqs=len(prompts), max_num_batched_tokens=2048,
+              speculative_config="off")  # as transformers: no drafts
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate({"prompt_token_ids": prompts[0][:32]}, SamplingParams(max_tokens=4))  # warm-up
     start = time.perf_counter()

@@ -102,7 +102,7 @@ def main() -> None:
     ap.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
     args = ap.parse_args()
     options = {"max_model_len": args.prompt + 2048} if args.model else {}
-    llm = LLM(args.model, threads=args.threads, enable_prefix_caching=False, **options)
+    llm = LLM(args.model, threads=args.threads, enable_prefix_caching=False, speculative_config="off", **options)
     llm.engine.warm_up()
     llm.engine.step_history = StepHistory(capacity=1 << 20)  # a bounded prefill takes thousands of steps
     rng = random.Random(0)

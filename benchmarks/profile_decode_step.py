@@ -25,7 +25,8 @@ def main() -> None:
     ap.add_argument("--no-profile", action="store_true")
     args = ap.parse_args()
     llm = LLM(args.model, threads=args.threads, dtype=args.dtype, quantization=args.quantization,
-              max_model_len=args.depth + args.steps * 3 + 64, kv_cache_memory=1 << 30)
+              max_model_len=args.depth + args.steps * 3 + 64, kv_cache_memory=1 << 30,
+              speculative_config="off")  # one token a step: the step is what is timed
     engine = llm.engine
     prompt = torch.randint(100, 20000, (max(args.depth, 8),)).tolist()
     engine.add_request("p", prompt, SamplingParams(max_tokens=args.steps * 3, ignore_eos=True, temperature=0))

@@ -103,7 +103,7 @@ def main() -> None:
     spec_config = {"method": args.method, "num_speculative_tokens": args.k, "adaptive": not args.fixed}
     if args.method == "draft_model":
         spec_config["model"] = args.draft_model or "smollm2-135m"  # the default model as its own draft
-    plain = LLM(loaded_model=loaded, kv_cache_memory=1 << 30)
+    plain = LLM(loaded_model=loaded, kv_cache_memory=1 << 30, speculative_config="off")
     spec = LLM(loaded_model=loaded, kv_cache_memory=1 << 30,
                speculative_config=spec_config)
     tok = plain.get_tokenizer()

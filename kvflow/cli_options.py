@@ -72,8 +72,10 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                         "starts them on this machine, or uses the ranks torchrun gives it (threads are per rank)")
     g.add_argument("--seed", type=int, default=m.seed)
     g.add_argument("--trace", default=None, metavar="FILE", help="append a JSON line per engine step")
-    g.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
-                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 16}\' (default: off)')
+    g.add_argument("--speculative-config", type=_speculative_config, default="auto", metavar="auto|off|JSON",
+                   help='speculative decoding: auto (the default: n-gram lookup in the request\'s own tokens, '
+                        'drafting only where it pays, on CPU), off, or e.g. \'{"method": "suffix", '
+                        '"num_speculative_tokens": 16}\'')
 
 
 def engine_options(args: argparse.Namespace) -> dict:

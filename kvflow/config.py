@@ -74,7 +74,9 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     trace_file: str | None = None
-    speculative_config: object = None  # vLLM's dict, its JSON, or a kvflow.spec.config.SpeculativeConfig; None: off
+    # vLLM's dict, its JSON, or a kvflow.spec.config.SpeculativeConfig; "auto": n-gram lookup that drafts only
+    # where it pays, on CPU (spec/config.resolve); None or "off": none.
+    speculative_config: object = "auto"
 
 
 def engine_config(**options) -> EngineConfig:

@@ -27,7 +27,10 @@ PROMPTS = [
 
 
 def make_llm(loaded, **options) -> LLM:
+    """An LLM over `loaded`. Speculation is off unless asked for: these tests count steps and rows of
+    one token per sequence; the speculative ones (test_invariance_speculative.py, test_speculative.py) ask."""
     options.setdefault("kv_cache_memory", 64 << 20)
+    options.setdefault("speculative_config", "off")
     return LLM(loaded_model=loaded, **options)
 
 

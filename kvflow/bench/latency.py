@@ -75,6 +75,8 @@ def run_latency(
     prompts = [n for n in prompts if n > 0]  # llama-bench's -p 0 / -n 0: skip that kind of test
     longest = max(max(prompts, default=1), 1) + max(depths) + n_gen + 32
     engine_options.setdefault("max_num_batched_tokens", max(max(prompts, default=0) + max(depths), 2048))
+    # llama-bench's figures are plain decoding: drafts only where --speculative-config asks for them.
+    engine_options.setdefault("speculative_config", "off")
     engine_options.setdefault("max_num_seqs", max(batches))
     engine_options["max_model_len"] = max(longest, engine_options.get("max_model_len") or 0)
     config = engine_config(model=model, **engine_options)

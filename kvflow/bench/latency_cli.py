@@ -22,7 +22,7 @@ def add_latency_parser(bench_sub: Any) -> None:
     p.add_argument("--probe", default=None, help="probe JSON to use (default: the saved one, or a quick probe)")
     p.add_argument("--out", default=None, help="write the JSON report here")
     add_engine_options(p)
-    p.set_defaults(func=cmd_latency)
+    p.set_defaults(func=cmd_latency, speculative_config="off")  # plain decoding unless asked, as llama-bench's
 
 
 def cmd_latency(args: argparse.Namespace) -> int:

@@ -35,7 +35,7 @@ from kvflow.executors.model_setup import LoadedModel, ModelSummary, load_model, 
 from kvflow.layers.sampler import Sampler, SamplingRow, position_generator
 from kvflow.outputs import Logprob, RequestOutput
 from kvflow.sampling_params import SamplingParams
-from kvflow.spec.config import SpeculativeConfig
+from kvflow.spec.config import resolve as resolve_speculation
 from kvflow.spec.sources import build_source
 from kvflow.structured.compiler import GrammarCompiler
 from kvflow.structured.mask_prefetch import MaskPrefetcher, has_idle_core
@@ -92,7 +92,7 @@ class LLMEngine:
         self._prefetcher: MaskPrefetcher | None = None
         # Token masks overlap the forward only with a core to spare (structured/mask_prefetch.py).
         self.mask_prefetch = has_idle_core()
-        spec = SpeculativeConfig.parse(config.speculative_config)
+        spec = resolve_speculation(config.speculative_config, self.loaded.device.type)
         self.speculator = None
         if spec is not None:
             source = build_source(spec, self.loaded, config.scheduler.max_num_seqs)
@@ -104,7 +104,7 @@ class LLMEngine:
         if self.config.cache.prefix_cache_dir is not None:
             raise ValueError("--prefix-cache-dir does not run with tensor parallelism yet (each rank holds a "
                              "share of every block)")
-        spec = SpeculativeConfig.parse(self.config.speculative_config)
+        spec = resolve_speculation(self.config.speculative_config, self.loaded.device.type)
         if spec is not None and spec.method == "draft_model":
             raise ValueError("a draft model does not run with tensor parallelism yet; use ngram or suffix")
         runner, sched = self.runner, self.config.scheduler

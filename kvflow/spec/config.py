@@ -5,6 +5,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+# The default: n-gram lookup with the adaptive control, where it was measured not to slow any workload down
+# (CPU: benchmarks/RESULTS.md, sessions 16 and 26); elsewhere off until measured there.
+AUTO = "auto"
+
 # ngram: lookup in the request's own tokens; suffix: that, and an index over recent requests
 # (spec/suffix.py); draft_model: a smaller model with the same tokenizer drafts greedily (spec/draft_model.py).
 METHODS = ("ngram", "suffix", "draft_model")
@@ -37,9 +41,12 @@ class SpeculativeConfig:
                              "must be positive")
 
     @classmethod
-    def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
-        """None, a SpeculativeConfig, a dict or its JSON text (the CLI's --speculative-config)."""
-        if value is None or isinstance(value, SpeculativeConfig):
+    def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | str | None:
+        """None or "off" (no speculation), "auto" (kept as "auto": `resolve` decides), a SpeculativeConfig, a
+        dict or its JSON text (the CLI's --speculative-config)."""
+        if value is None or value == "off":
+            return None
+        if value == AUTO or isinstance(value, SpeculativeConfig):
             return value
         if isinstance(value, str):
             try:
@@ -53,3 +60,12 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config: unknown field {unknown[0]!r} (known: {', '.join(sorted(known))})")
         return cls(**value)
+
+
+def resolve(value: SpeculativeConfig | dict | str | None, device: str) -> SpeculativeConfig | None:
+    """The engine's speculative config: `value` parsed, with "auto" as n-gram lookup (adaptive) on a CPU and
+    off on other devices."""
+    spec = SpeculativeConfig.parse(value)
+    if spec == AUTO:
+        return SpeculativeConfig() if device == "cpu" else None
+    return spec

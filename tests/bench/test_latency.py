@@ -50,14 +50,15 @@ def test_zero_prompt_or_generation_length_skips_that_test(tmp_path, tiny_checkpo
     from kvflow.cli import main
 
     spec = ["--speculative-config", '{"method": "ngram", "prompt_lookup_min": 1}']
-    for flags, expected in ((["-p", "0", "-n", "16", *spec], {"tg16"}), (["-p", "8", "-n", "0"], {"pp8"})):
+    off = ["--speculative-config", "off"]
+    for flags, expected in ((["-p", "0", "-n", "16", *spec], {"tg16"}), (["-p", "8", "-n", "0", *off], {"pp8"})):
         out = tmp_path / "latency.json"
         # In this process (the command's own entry point): two interpreters and torch imports cost seconds.
         assert main(["bench", "latency", "--model", str(tiny_checkpoints["llama"]), *flags, "-d", "16", "-r", "1",
                      "--probe", str(probe_path), "--out", str(out)]) == 0
         report = json.loads(out.read_text())
         assert {r["test"] for r in report["results"]} == expected
-        if spec[0] in flags:  # the run's speculation is reported beside the figures it changed
+        if spec[1] in flags:  # the run's speculation is reported beside the figures it changed
             assert report["speculative"]["method"] == "ngram"
             assert 0 <= report["speculative"]["accepted_tokens"] <= report["speculative"]["draft_tokens"]
         else:

@@ -13,6 +13,9 @@ def run_capturing_logits(model: str | None, tp: int, prompts: list, params: Samp
     """Greedy outputs and every step's float32 logits (rank 0's), with the model split over tp ranks."""
     steps: list[torch.Tensor] = []
     device = {} if "loaded_model" in options else {"device": "cpu"}  # a model already loaded has its own
+    # Step by step: the same steps in both runs, which speculation (its drafts follow measured step times)
+    # would not give.
+    options.setdefault("speculative_config", "off")
     with LLM(model, tensor_parallel_size=tp, threads=1, **device, **options) as llm:
         execute = llm.engine.runner.execute
 

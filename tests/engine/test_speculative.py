@@ -15,12 +15,12 @@ from engine_helpers import PROMPTS, make_llm
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvflow import SamplingParams
+from kvflow import LLM, SamplingParams
 from kvflow.config import ModelConfig
 from kvflow.engine.speculation import Speculator, kept_tokens
 from kvflow.engine.step_budget import StepCosts
 from kvflow.executors.model_setup import load_model
-from kvflow.spec.config import SpeculativeConfig
+from kvflow.spec.config import SpeculativeConfig, resolve
 from kvflow.spec.control import Acceptance, allocate_drafts
 from kvflow.spec.ngram import NgramProposer
 
@@ -276,6 +276,21 @@ def test_config_is_checked():
                          ({"nope": 1}, "unknown field"), ("{not json", "JSON")):
         with pytest.raises(ValueError, match=message):
             SpeculativeConfig.parse(bad)
+
+
+def test_ngram_speculation_is_on_by_default_on_a_cpu_and_off_when_asked(tiny_packed):
+    """The default ("auto") is n-gram lookup with the adaptive control on a CPU, where its benchmarks showed
+    it slowing no workload down; "off" (or None) turns it off; on another device "auto" is off until
+    measured there. The default engine's greedy text is the plain one."""
+    assert resolve("auto", "cpu") == SpeculativeConfig() and SpeculativeConfig().adaptive
+    assert resolve("auto", "cuda") is None and resolve("off", "cpu") is None and resolve(None, "cpu") is None
+    default = LLM(loaded_model=tiny_packed, kv_cache_memory=16 << 20)
+    assert default.engine.speculator is not None and default.engine.speculator.config.method == "ngram"
+    plain = make_llm(tiny_packed, kv_cache_memory=16 << 20)  # the helper asks for "off"
+    assert plain.engine.speculator is None
+    prompts = ["one two three one two three one two", "a b c d a b c d a b"]
+    assert [o.outputs[0].token_ids for o in default.generate(prompts, GREEDY)] == [
+        o.outputs[0].token_ids for o in plain.generate(prompts, GREEDY)]
 
 
 def test_seeded_sampling_is_the_same_with_speculation(tiny_packed):
