@@ -175,3 +175,15 @@ def test_grouped_matmuls_give_each_weight_its_own_rows(input_bits):
                 assert torch.equal(many[start : start + m], want)
             start += m
     assert packed_matmul.matmul_many(x[:-1], weights, rows=rows) is None  # fewer rows than the counts say
+
+
+def test_the_codebooks_are_the_kernels_own():
+    """packed_matmul.CODEBOOKS (what pack and the Python dequantizer use) are the tables the C++ kernels look
+    the indices up in; a codebook they do not know is refused."""
+    from kvflow.kernels import abi
+
+    for book, codes in packed_matmul.CODEBOOKS.items():
+        table = torch.zeros(16, dtype=torch.uint8)
+        assert abi.native().kvflow_packed_codebook(book=book, out=table.data_ptr()) == 0
+        assert torch.equal(table, codes)
+    assert abi.native().kvflow_packed_codebook(book=3, out=torch.zeros(16, dtype=torch.uint8).data_ptr()) == -1
