@@ -50,7 +50,7 @@ def table(summaries: list[dict]) -> str:
     lines = ["## Current figures per CPU tier", "",
              "kvflow against llama.cpp, same GGUF file (SmolLM2-135M-Instruct Q4_1), 2 threads, one run of "
              "`benchmarks/side_by_side.py` per tier; ratio = kvflow / llama.cpp (for TTFT and RSS, lower is "
-             "better). Goals are issue 17's for the AVX2 tier.", ""]
+             "better); both decode plainly (kvflow's default n-gram speculation off). Goals are issue 17's for the AVX2 tier.", ""]
     for s in summaries:
         tier_note = s["tier"] if s["tier"] == s["machine_tier"] else f"{s['tier']} (forced; the CPU's own is {s['machine_tier']})"
         lines += [f"### Tier {tier_note}: {s['cpu']}, {s['date']}", "",

@@ -5,7 +5,8 @@
    benchmarks/setup_llamacpp.sh when missing) and kvflow through its engine (kvflow bench latency);
 3. llama.cpp's server against `kvflow serve` under the same `kvflow bench serve` load (200-token prompts,
    128 output tokens, EOS ignored) at concurrency 1 and 8: llama.cpp's own llama-server with 8 slots when
-   benchmarks/setup_llama_server.sh has built it, else llama-cpp-python's server (which stops at EOS).
+   benchmarks/setup_llama_server.sh has built it, else llama-cpp-python's server (which stops at EOS);
+   kvflow without speculation, as the peer decodes.
 
     python benchmarks/side_by_side.py [--threads 2] [--quantization gguf] [--depth 4096] [--rounds 3]
         [--num-prompts 16] [--record]
@@ -139,6 +140,9 @@ def serve_both(args, gguf: Path, llamacpp_python: Path, out_dir: Path) -> dict:
             sys.executable, "-m", "kvflow", "serve", "--model", str(gguf), "--threads", str(args.threads),
             # The same context as llama.cpp's -c 16384: 16,384 tokens of float16 K/V (22.5 KiB each).
             "--host", "127.0.0.1", "--port", str(port), "--kv-cache-memory", "360MiB",
+            # The same work as the peer's: no drafts (kvflow's default n-gram speculation has its own
+            # benchmark, benchmarks/speculative.py).
+            "--speculative-config", "off",
             *(["--quantization", args.quantization] if args.quantization else [])],
     }
     health = {"llama.cpp": "/v1/models" if results["peer_server"] == "llama_cpp.server" else "/health",
@@ -255,7 +259,8 @@ def main() -> None:
         lines += [
             f"Serving: {args.num_prompts} (concurrency 1) and {2 * args.num_prompts} (concurrency 8) streaming "
             "requests of 200 prompt tokens and 128 output tokens, EOS ignored, `kvflow bench serve`; the peer "
-            f"is llama.cpp's `{served['peer_server']}` (`benchmarks/setup_llama_server.sh` builds llama-server).",
+            f"is llama.cpp's `{served['peer_server']}` (`benchmarks/setup_llama_server.sh` builds llama-server); "
+            "kvflow with `--speculative-config off`, the peer's plain decoding.",
             "",
             "| server | concurrency | output tok/s | TTFT mean ms | TTFT p99 ms | TPOT mean ms | peak RSS MiB |",
             "|---|---|---|---|---|---|---|",
