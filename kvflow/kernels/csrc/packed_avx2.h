@@ -148,7 +148,7 @@ void tile(const KvflowPackedWeight& w, int64_t g, int half, const Rows& rows, fl
   constexpr bool has_offset = HasOffset, four_bit = Bits == 4 && !Book;
   const uint8_t* base = w.data + static_cast<size_t>(g) * nb * chunk;
   const __m256i low_nibble = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-  const CodebookNibbles tables(Book ? w.codebook : 0);
+  const CodebookNibbles& tables = kCodebookNibbles[Book ? w.codebook : 0];
   const __m256i book_low = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(tables.low)));
   const __m256i book_high = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(tables.high)));
   __m256 acc[M][H];

@@ -96,13 +96,16 @@ inline bool valid_layout(const KvflowPackedWeight& w) {
          w.codebook <= kCodebooks && (w.codebook == 0 || w.bits == 4);
 }
 
-// A codebook's low and high nibbles (code = 16 high + low), for tiers that take 8-bit codes a nibble at a time.
+// A codebook's low and high nibbles (code = 16 high + low), for tiers that take 8-bit codes a nibble at a
+// time; computed at compile time, once per codebook (kCodebookNibbles).
 struct CodebookNibbles {
-  alignas(16) uint8_t low[16], high[16];
-  explicit CodebookNibbles(int book) {
-    for (int i = 0; i < 16; ++i) low[i] = kCodebook[book][i] & 15, high[i] = kCodebook[book][i] >> 4;
+  alignas(16) uint8_t low[16] = {}, high[16] = {};
+  constexpr explicit CodebookNibbles(int book) {
+    for (int i = 0; i < 16; ++i)
+      low[i] = static_cast<uint8_t>(kCodebook[book][i] & 15), high[i] = static_cast<uint8_t>(kCodebook[book][i] >> 4);
   }
 };
+constexpr CodebookNibbles kCodebookNibbles[kCodebooks + 1] = {CodebookNibbles(0), CodebookNibbles(1), CodebookNibbles(2)};
 
 // Where a 6-bit block's rows of top bits start: after its low nibbles, laid out as a 4-bit block's codes.
 inline size_t top_bits_at(int block) { return code_bytes(block, 4); }

@@ -43,7 +43,7 @@ void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, in
   const uint8_t* base = w.data + static_cast<size_t>(g) * nb * chunk;
   const uint8x16_t low_nibble = vdupq_n_u8(0x0f);
   const bool book = w.codebook != 0;  // 8-bit codes from 4-bit indices, a nibble at a time (as eight_bit)
-  const CodebookNibbles tables(w.codebook);
+  const CodebookNibbles& tables = kCodebookNibbles[w.codebook];
   const uint8x16_t book_low = vld1q_u8(tables.low), book_high = vld1q_u8(tables.high);
   float32x4_t acc[M][4];
   for (int r = 0; r < M; ++r)
