@@ -129,6 +129,17 @@ inline void scales_offsets(const KvflowPackedWeight& w, int64_t g, int64_t b, co
                            : _mm256_mul_ps(*scale, _mm256_set1_ps(-static_cast<float>(w.centre)));
 }
 
+// Eight columns' results into out, of which `left` exist (the last group may hold fewer).
+inline void store_columns(float* out, __m256 v, int64_t left) {
+  if (left >= 8) {
+    _mm256_storeu_ps(out, v);
+  } else if (left > 0) {
+    alignas(32) float tmp[8];
+    _mm256_store_ps(tmp, v);
+    std::memcpy(out, tmp, sizeof(float) * left);
+  }
+}
+
 inline __m256i broadcast4(const int8_t* p) {  // four input digits, in every 32-bit lane
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -257,17 +268,7 @@ void tile(const KvflowPackedWeight& w, int64_t g, int half, const Rows& rows, fl
   }
   for (int h = 0; h < H; ++h) {
     const int64_t col = g * 16 + 8 * (half + h);
-    const int64_t left = w.n - col;
-    for (int r = 0; r < M; ++r) {
-      float* out = y + r * y_stride + col;
-      if (left >= 8) {
-        _mm256_storeu_ps(out, acc[r][h]);
-      } else if (left > 0) {
-        alignas(32) float tmp[8];
-        _mm256_store_ps(tmp, acc[r][h]);
-        std::memcpy(out, tmp, sizeof(float) * left);
-      }
-    }
+    for (int r = 0; r < M; ++r) store_columns(y + r * y_stride + col, acc[r][h], w.n - col);
   }
 }
 
@@ -325,17 +326,7 @@ void tile_wide(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* 
   }
   for (int h = 0; h < 2; ++h) {
     const int64_t col = g * 16 + 8 * h;
-    const int64_t left = w.n - col;
-    for (int r = 0; r < M; ++r) {
-      float* out = y + r * y_stride + col;
-      if (left >= 8) {
-        _mm256_storeu_ps(out, acc[r][h]);
-      } else if (left > 0) {
-        alignas(32) float tmp[8];
-        _mm256_store_ps(tmp, acc[r][h]);
-        std::memcpy(out, tmp, sizeof(float) * left);
-      }
-    }
+    for (int r = 0; r < M; ++r) store_columns(y + r * y_stride + col, acc[r][h], w.n - col);
   }
 }
 
