@@ -64,6 +64,8 @@ class LLMEngine:
         self.ranks = tp_launch.start(config.model) if loaded is None else None
         try:
             self.loaded = loaded or load_model(config.model)
+            # The speculative config, "auto" decided for this device: read here and by _lead_ranks.
+            self.speculative = resolve_speculation(config.speculative_config, self.loaded.device.type)
             self.tokenizer = self.loaded.tokenizer
             self.max_model_len = self.loaded.max_model_len
             config.scheduler.max_model_len = self.max_model_len
@@ -92,7 +94,7 @@ class LLMEngine:
         self._prefetcher: MaskPrefetcher | None = None
         # Token masks overlap the forward only with a core to spare (structured/mask_prefetch.py).
         self.mask_prefetch = has_idle_core()
-        spec = resolve_speculation(config.speculative_config, self.loaded.device.type)
+        spec = self.speculative
         self.speculator = None
         if spec is not None:
             source = build_source(spec, self.loaded, config.scheduler.max_num_seqs)
@@ -104,8 +106,7 @@ class LLMEngine:
         if self.config.cache.prefix_cache_dir is not None:
             raise ValueError("--prefix-cache-dir does not run with tensor parallelism yet (each rank holds a "
                              "share of every block)")
-        spec = resolve_speculation(self.config.speculative_config, self.loaded.device.type)
-        if spec is not None and spec.method == "draft_model":
+        if self.speculative is not None and self.speculative.method == "draft_model":
             raise ValueError("a draft model does not run with tensor parallelism yet; use ngram or suffix")
         runner, sched = self.runner, self.config.scheduler
         layout = CacheLayout(runner.group_blocks, runner.block_size, self.config.cache.kv_cache_dtype,

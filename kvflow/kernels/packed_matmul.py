@@ -29,9 +29,9 @@ BITS = (4, 6, 8)  # code widths: 6 keeps Q6_K (and 5-bit codes) at 7 bits a weig
 INPUT_STEPS = 32639  # inputs are quantized per block to integers within +-INPUT_STEPS (kMaxInt in the C++)
 # The codebooks of csrc/kvflow_cpu.h: nibble i of a weight with codebook b stands for 8-bit code CODEBOOKS[b][i]
 # (centred on 128): IQ4_NL's values (ggml's kvalues_iq4nl), MXFP4's doubled E2M1 values.
-CODEBOOKS = {1: torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]) + 128,
-             2: torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]) + 128}
-CODEBOOKS = {book: codes.to(torch.uint8) for book, codes in CODEBOOKS.items()}
+CODEBOOKS = {book: (torch.tensor(values) + 128).to(torch.uint8) for book, values in (
+    (1, [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]),
+    (2, [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]))}
 
 
 def _code_index(book: torch.Tensor) -> torch.Tensor:

@@ -95,4 +95,3 @@ def outermost_quant_layers(model: nn.Module) -> Iterator[QuantLinear]:
         if isinstance(module, QuantLinear) and id(module) not in inside:
             inside.update(id(m) for m in module.modules())
             yield module
-

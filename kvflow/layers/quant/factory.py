@@ -115,4 +115,3 @@ def _runs_of_one_layout(parts: Sequence[tuple[np.ndarray, str]], row_orders: Seq
         run = list(run)
         runs.append(([part for part, _ in run], None if row_orders is None else [order for _, order in run]))
     return runs
-
