@@ -46,7 +46,7 @@ class Shape:
     vocab: int
     tied: bool
     rope_base: float = 500000.0
-    arch: str = "llama"  # or "qwen3moe": q/k norms and routed experts
+    arch: str = "llama"  # or "qwen3moe": q/k norms and routed experts; "gpt-oss": biases, sinks, experts
     head_size: int | None = None  # where it is not hidden / heads
     experts: int = 0
     experts_used: int = 0  # per token
@@ -60,6 +60,9 @@ class Shape:
         """(GGUF name, [out, in], [experts, out, in] or [n]) in file order."""
         h, q, kv, ff = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
         out = [("token_embd.weight", (self.vocab, h))]
+        if self.arch == "gpt-oss":
+            return out + [t for i in range(self.layers) for t in self._gpt_oss_layer(i)] + [
+                ("output_norm.weight", (h,)), ("output.weight", (self.vocab, h))]
         for i in range(self.layers):
             out += [(f"blk.{i}.attn_norm.weight", (h,)), (f"blk.{i}.attn_q.weight", (q, h)),
                     (f"blk.{i}.attn_k.weight", (kv, h)), (f"blk.{i}.attn_v.weight", (kv, h)),
@@ -83,6 +86,21 @@ class Shape:
         return out
 
 
+    def _gpt_oss_layer(self, i: int) -> list[tuple[str, tuple[int, ...]]]:
+        """gpt-oss's layer as llama.cpp names it: biases on attention, router and experts; the sinks."""
+        h, q, kv, ff, e = (self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim,
+                           self.intermediate, self.experts)
+        return [(f"blk.{i}.attn_norm.weight", (h,)), (f"blk.{i}.attn_q.weight", (q, h)), (f"blk.{i}.attn_q.bias", (q,)),
+                (f"blk.{i}.attn_k.weight", (kv, h)), (f"blk.{i}.attn_k.bias", (kv,)),
+                (f"blk.{i}.attn_v.weight", (kv, h)), (f"blk.{i}.attn_v.bias", (kv,)),
+                (f"blk.{i}.attn_output.weight", (h, q)), (f"blk.{i}.attn_output.bias", (h,)),
+                (f"blk.{i}.attn_sinks.weight", (self.heads,)), (f"blk.{i}.post_attention_norm.weight", (h,)),
+                (f"blk.{i}.ffn_gate_inp.weight", (e, h)), (f"blk.{i}.ffn_gate_inp.bias", (e,)),
+                (f"blk.{i}.ffn_gate_exps.weight", (e, ff, h)), (f"blk.{i}.ffn_gate_exps.bias", (e, ff)),
+                (f"blk.{i}.ffn_up_exps.weight", (e, ff, h)), (f"blk.{i}.ffn_up_exps.bias", (e, ff)),
+                (f"blk.{i}.ffn_down_exps.weight", (e, h, ff)), (f"blk.{i}.ffn_down_exps.bias", (e, h))]
+
+
 SHAPES = {
     "llama-3.2-1b": Shape(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, vocab=128256, tied=True),
     "llama-3.1-8b": Shape(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, vocab=128256, tied=False),
@@ -94,6 +112,12 @@ SHAPES = {
     "qwen3-30b-a3b-12-layers": Shape(hidden=2048, layers=12, heads=32, kv_heads=4, intermediate=768, vocab=151936,
                                      tied=False, rope_base=1000000.0, arch="qwen3moe", head_size=128, experts=128,
                                      experts_used=8),
+    # gpt-oss-20b's layers (32 experts of 2880, 4 a token; 64 query heads of 64; sinks; a 128-token window
+    # on every other layer; YaRN) but 8 of its 24: the F16 file of all 24 (39 GB) does not fit this disk.
+    # Its experts quantize to MXFP4 (llama.cpp's MXFP4_MOE, as the released GGUF files are).
+    "gpt-oss-20b-8-layers": Shape(hidden=2880, layers=8, heads=64, kv_heads=8, intermediate=2880, vocab=201088,
+                                  tied=False, rope_base=150000.0, arch="gpt-oss", head_size=64, experts=32,
+                                  experts_used=4, sliding_window=128),
 }
 
 QUANTIZE = r"""
@@ -183,7 +207,12 @@ def write_f16(shape: Shape, path: Path, context: int = 8192) -> None:
         writer.add_value_length(shape.head_dim)
     if shape.sliding_window:
         writer.add_sliding_window(shape.sliding_window)
-        writer.add_rope_freq_base_swa(10000.0)
+        if shape.arch == "gemma3":
+            writer.add_rope_freq_base_swa(10000.0)
+    if shape.arch == "gpt-oss":  # YaRN from 4K to 128K positions
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(32.0)
+        writer.add_rope_scaling_orig_ctx_len(4096)
     if shape.experts:
         writer.add_expert_count(shape.experts)
         writer.add_expert_used_count(shape.experts_used)
@@ -204,7 +233,8 @@ def write_f16(shape: Shape, path: Path, context: int = 8192) -> None:
         writer.add_key_value(field.name, value, vtype, sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
     tensors = shape.tensors()
     for name, dims in tensors:
-        dtype = np.float32 if len(dims) == 1 or "gate_inp" in name else np.float16  # routers stay float32
+        # Routers and biases stay float32, as llama.cpp's converter keeps them.
+        dtype = np.float32 if len(dims) == 1 or "gate_inp" in name or name.endswith(".bias") else np.float16
         writer.add_tensor_info(name, dims, np.dtype(dtype), int(np.prod(dims)) * np.dtype(dtype).itemsize)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -212,12 +242,13 @@ def write_f16(shape: Shape, path: Path, context: int = 8192) -> None:
     rng = np.random.default_rng(0)
     pool = (rng.standard_normal(1 << 24, dtype=np.float32) * 0.02).astype(np.float16)
     for i, (name, dims) in enumerate(tensors):
-        if len(dims) == 1:
+        if len(dims) == 1 and not name.endswith(".bias"):
             writer.write_tensor_data(np.ones(dims, dtype=np.float32))
             continue
         start = (i * 7919) % (pool.size // 2)
         data = np.resize(pool[start:], dims)
-        writer.write_tensor_data(data.astype(np.float32) if "gate_inp" in name else data)
+        float32 = "gate_inp" in name or name.endswith(".bias")
+        writer.write_tensor_data(data.astype(np.float32) if float32 else data)
     writer.close()
 
 

@@ -40,6 +40,7 @@ ARCHS = {
     "Phi3ForCausalLM": "phi3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "GptOssForCausalLM": "gpt-oss",
 }
 
 GLOBAL_NAMES = {
@@ -75,6 +76,11 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
              "mlp.gate_up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"},
     "gemma2": _GEMMA,
     "gemma3": {**_GEMMA, **_QK_NORMS},
+    # gpt-oss: the norm before the MLP is llama.cpp's post_attention_norm; the sinks get a ".weight".
+    "gpt-oss": {**_ATTN, "input_layernorm.weight": "attn_norm.weight",
+                "post_attention_layernorm.weight": "post_attention_norm.weight",
+                "self_attn.sinks": "attn_sinks.weight", "mlp.router.weight": "ffn_gate_inp.weight",
+                "mlp.router.bias": "ffn_gate_inp.bias"},
 }
 
 # Per-expert weights, which llama.cpp stacks into one (n_expert, rows, cols) tensor per layer and projection.
@@ -104,7 +110,7 @@ def hf_to_gguf(folder: Path, path: Path, tensor_type: str = "F32") -> Path:
     write_vocab(writer, folder, cfg)
     for name, tensor in convert_tensors(folder, arch, cfg):
         data = tensor.to(torch.float32).numpy()
-        keep_f32 = data.ndim <= 1 or name.endswith("_norm.weight") or ".ffn_gate_inp." in name
+        keep_f32 = (data.ndim <= 1 or name.endswith(("_norm.weight", ".bias")) or ".ffn_gate_inp." in name)
         writer.add_tensor(name, data if tensor_type == "F32" or keep_f32 else data.astype(np.float16))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -205,6 +211,9 @@ def write_hparams(w: gguf.GGUFWriter, arch: str, cfg: dict[str, Any], ftype: ggu
     if arch == "llama":
         w.add_vocab_size(cfg["vocab_size"])
         w.add_rope_dimension_count(head_dim(cfg))
+    elif arch == "gpt-oss":  # the window's pattern (every other layer, from the first) is llama.cpp's own
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_expert_feed_forward_length(cfg["intermediate_size"])
     elif arch == "qwen3moe":
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
         if cfg.get("shared_expert_intermediate_size") is not None:
@@ -269,6 +278,8 @@ def convert_tensors(folder: Path, arch: str, cfg: dict[str, Any]) -> Iterator[tu
         yield "rope_factors_long.weight", torch.tensor(rope_parameters(cfg)["long_factor"], dtype=torch.float32)
         yield "rope_factors_short.weight", torch.tensor(rope_parameters(cfg)["short_factor"], dtype=torch.float32)
 
+    if arch == "gpt-oss":
+        weights = dict(gpt_oss_experts(weights))
     experts: dict[tuple[int, str], dict[int, torch.Tensor]] = defaultdict(dict)
     for name, t in weights.items():
         if name.endswith(".rotary_emb.inv_freq") or (arch == "gemma2" and name == "lm_head.weight"):
@@ -284,7 +295,9 @@ def convert_tensors(folder: Path, arch: str, cfg: dict[str, Any]) -> Iterator[tu
         if m := EXPERT.fullmatch(name):
             experts[(int(m[1]), EXPERT_KIND[m[3]])][int(m[2])] = t
             continue
-        if name in GLOBAL_NAMES:
+        if name.startswith("blk."):  # already in llama.cpp's names (gpt-oss's experts)
+            yield name, t
+        elif name in GLOBAL_NAMES:
             yield GLOBAL_NAMES[name], t
         elif (m := re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)) and m[2] in names:
             yield f"blk.{m[1]}.{names[m[2]]}", t
@@ -294,6 +307,25 @@ def convert_tensors(folder: Path, arch: str, cfg: dict[str, Any]) -> Iterator[tu
     for (layer, kind), per_expert in sorted(experts.items()):
         assert sorted(per_expert) == list(range(len(per_expert))), f"missing experts in layer {layer}"
         yield f"blk.{layer}.ffn_{kind}_exps.weight", torch.stack([per_expert[e] for e in sorted(per_expert)])
+
+
+def gpt_oss_experts(weights: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """gpt-oss's stacked experts as llama.cpp's converter writes them: gate_up [experts, hidden, 2 * ff] split
+    into its interleaved gate and up columns, each transposed to (n_expert, n_ff, n_embd); down transposed to
+    (n_expert, n_embd, n_ff); the biases split the same way. Other tensors pass through."""
+    for name, t in weights.items():
+        m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?", name)
+        if m is None:
+            yield name, t
+            continue
+        layer, kind, bias = m[1], m[2], m[3] is not None
+        if kind == "down_proj":
+            yield f"blk.{layer}.ffn_down_exps.{'bias' if bias else 'weight'}", t if bias else t.transpose(1, 2)
+            continue
+        t = t if bias else t.transpose(1, 2)  # [experts, 2 * ff(, hidden)], gate and up interleaved
+        suffix = "bias" if bias else "weight"
+        yield f"blk.{layer}.ffn_gate_exps.{suffix}", t[:, 0::2].contiguous()
+        yield f"blk.{layer}.ffn_up_exps.{suffix}", t[:, 1::2].contiguous()
 
 
 def write_vocab(w: gguf.GGUFWriter, folder: Path, cfg: dict[str, Any]) -> None:

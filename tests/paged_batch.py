@@ -25,7 +25,8 @@ class PagedBatch:
     seq_lens_cpu: list[int]
     query_lens_cpu: list[int]
 
-    def reference_output(self, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    def reference_output(self, scale: float, window: int = 0, softcap: float = 0.0,
+                         sinks: torch.Tensor | None = None) -> torch.Tensor:
         """write_kv + paged_attention on copies of the caches, in float32 (an 8-bit cache dequantized)."""
         if kv_int8.is_int8(self.k_cache):
             k_cache, v_cache = kv_int8.dequantize(self.k_cache), kv_int8.dequantize(self.v_cache)
@@ -34,8 +35,8 @@ class PagedBatch:
         reference.write_kv(self.k.float(), self.v.float(), k_cache, v_cache, self.slot_mapping)
         starts = self.query_start_loc.tolist()
         return reference.paged_attention(
-            self.q.float(), k_cache, v_cache, self.block_tables, self.seq_lens_cpu, starts, scale, window, softcap
-        )
+            self.q.float(), k_cache, v_cache, self.block_tables, self.seq_lens_cpu, starts, scale, window, softcap,
+            sinks)
 
 
 def at_slots(cache: torch.Tensor, slots) -> tuple:

@@ -43,6 +43,13 @@ TINY_ARCHS = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                                          norm_topk_prob=True, mlp_only_layers=[1], head_dim=16,
                                          tie_word_embeddings=True)),
+    # gpt-oss: sinks, biases everywhere, a router with a bias, clamped experts (a limit low enough to bind on
+    # random weights; real models use 7), YaRN over a short original context, alternating 24-token windows.
+    "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=24,
+                                     swiglu_limit=1.0, tie_word_embeddings=False,
+                                     rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0,
+                                                      "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
+                                                      "original_max_position_embeddings": 64})),
     # Sliding windows short enough that the parity prompts (up to 130 tokens) cross them; caps low enough
     # that they bind on random weights.
     # Gemma 2's query scale from query_pre_attn_scalar, not head_dim (as in the 27B model).
@@ -96,6 +103,8 @@ def make_tiny_checkpoint(name: str, folder: Path, seed: int = 0, **overrides) ->
                 p.uniform_(0.5, 1.5)
             elif n.endswith("bias"):
                 p.normal_(0, 0.1)
+            elif n.endswith("sinks"):  # gpt-oss: some heads whose sink outweighs their scores, some not
+                p.uniform_(-2.0, 4.0)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
     tiny_tokenizer(folder)

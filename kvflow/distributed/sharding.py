@@ -138,6 +138,8 @@ class WeightSharder:
 
     # --- float tensors ------------------------------------------------------------------------------
     def narrow(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name.endswith(".sinks"):  # gpt-oss: one per query head, so this rank's heads'
+            return tensor.narrow(0, self.share.q_start, self.share.q_count)
         if not name.endswith((".weight", ".bias")):
             return tensor
         rows = self.row_segments(name, tensor.shape[0])

@@ -18,7 +18,7 @@ from kvflow.layers.attention.triton_backend import TritonBackend, triton_availab
 def choose_backend(device: torch.device, name: str = "auto", exact: bool = False, windowed: bool = False):
     """The attention backend: Triton on CUDA, SDPA with the C++ paged kernel on CPU (every query row
     through the kernel in the exact mode), or one named ("reference", "sdpa", "triton"). windowed: the
-    model has sliding-window or soft-capped layers, which the Triton kernels do not take."""
+    model has sliding-window, soft-capped or sink layers, which the Triton kernels do not take."""
     backends = {"reference": ReferenceBackend, "sdpa": SDPABackend, "triton": TritonBackend}
     if name == "auto":
         name = "triton" if device.type == "cuda" and triton_available() and not windowed else "sdpa"
@@ -34,7 +34,7 @@ class LayersExecutor:
         self.model = loaded.model
         self.vocab_size = loaded.arch.vocab_size
         self.kv_caches = kv_caches
-        windowed = any(layer.window or layer.softcap for layer in self.model.attention_layers)
+        windowed = any(layer.window or layer.softcap or layer.sinks is not None for layer in self.model.attention_layers)
         self.backend = choose_backend(loaded.device, attention_backend, exact=loaded.plan.batch_invariant,
                                       windowed=windowed)
         self.hidden_states: Callable = loaded.compiled or self.model.hidden_states

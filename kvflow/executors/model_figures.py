@@ -26,11 +26,13 @@ def _weight_bytes(model: torch.nn.Module, seen: set[int]) -> int:
     embed = getattr(model, "embed_tokens", None)
     skip = set() if embed is None else {id(t) for t in embed.parameters()} | {id(t) for t in embed.buffers()}
     tied = getattr(getattr(model, "arch", None), "tie_word_embeddings", False)
+    # An untied packed embedding (a GGUF file's token_embd) is a packed layer of its own, only indexed.
+    skip_layers = set() if embed is None or tied else {id(m) for m in embed.modules()}
     from kvflow.layers.quant.base import outermost_quant_layers
 
     total = 0
     for module in outermost_quant_layers(model):  # packed layers keep their bytes outside parameters and buffers
-        if id(module) not in seen:
+        if id(module) not in seen and id(module) not in skip_layers:
             seen.add(id(module))
             total += module.nbytes()
     for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers()):

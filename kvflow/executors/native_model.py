@@ -22,7 +22,8 @@ from kvflow.layers.quant.vocab import ExactTopLogits, PackedEmbedding
 from kvflow.models.moe import SparseMoE
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")  # the order of KvflowDense's projection numbers
-ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # the gated MLP's, as KvflowDecoder.activation numbers them
+# The gated MLP's, as KvflowDecoder.activation numbers them (swiglu_oai: gpt-oss's clamped SwiGLU).
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "swiglu_oai": 2}
 
 
 def _rotary_tables(model: nn.Module) -> list[torch.Tensor]:
@@ -61,13 +62,15 @@ def _structs(p: nn.Module) -> tuple:
 
 def _moe_unsupported(moe: SparseMoE) -> str | None:
     experts = [p for e in moe.experts for p in (e.gate_up_proj, e.down_proj)]
-    if not all(isinstance(p, PackedLinear) and p.bias is None for p in experts):
-        return "some experts are not packed (PackedLinear without bias)"
-    router = moe.gate
-    if isinstance(router, PackedLinear):
-        return "the router has a bias" if router.bias is not None else None
-    if getattr(router, "bias", None) is not None or router.weight.dtype != torch.float32:
-        return "the router is not a float32 matrix without bias"
+    if not all(isinstance(p, PackedLinear) for p in experts):
+        return "some experts are not packed (PackedLinear)"
+    if len({p.bias is None for p in experts}) > 1:
+        return "some experts have biases and some not"
+    biases = [p.bias for p in experts if p.bias is not None] + [moe.gate.bias] * (moe.gate.bias is not None)
+    if any(b.dtype != torch.float32 for b in biases):
+        return "expert or router biases are not float32"
+    if not isinstance(moe.gate, PackedLinear) and moe.gate.weight.dtype != torch.float32:
+        return "the router is not a float32 matrix"
     return None
 
 
@@ -101,8 +104,12 @@ def reason_unsupported(model: nn.Module) -> str | None:
         projections = _projections(layer)
         if not all(isinstance(p, PackedLinear) or _two_parts(p) for p in projections):
             return "some projections are not packed (PackedLinear, or PackedParts of two)"
-        if any(p.bias is not None for p in projections[1:]):
-            return "a projection other than q/k/v has a bias"
+        if any(p.bias is not None for p in projections[2:]):
+            return "the dense MLP has a bias"
+        if any(p.bias is not None and p.bias.dtype != torch.float32 for p in projections[:2]):
+            return "q/k/v or o has a bias that is not float32"
+        if layer.self_attn.sinks is not None and layer.self_attn.sinks.dtype != torch.float32:
+            return "the attention sinks are not float32"
         if isinstance(layer.mlp, SparseMoE) and (reason := _moe_unsupported(layer.mlp)):
             return reason
         a = layer.self_attn
@@ -134,12 +141,12 @@ class NativeModel:
                 input_norm=_f32(before_attn.weight), post_norm=_f32(before_mlp.weight),
                 attn_out_norm=_f32(attn_out.weight if attn_out is not None else None),
                 mlp_out_norm=_f32(mlp_out.weight if mlp_out is not None else None),
-                cos=cos, sin=sin, kv_group=a.kv_group, qkv_bias=_f32(a.qkv_proj.bias),
+                cos=cos, sin=sin, kv_group=a.kv_group, qkv_bias=_f32(a.qkv_proj.bias), o_bias=_f32(a.o_proj.bias),
                 q_norm=_f32(a.q_norm.weight if a.q_norm is not None else None),
                 k_norm=_f32(a.k_norm.weight if a.k_norm is not None else None),
                 attention=abi.KvflowAttention(num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
                                               head_dim=a.head_dim, scale=a.scale, window=a.window,
-                                              softcap=a.softcap),
+                                              softcap=a.softcap, sinks=_f32(a.sinks)),
             )
         embed = model.embed_tokens
         head = model.lm_head
@@ -156,7 +163,8 @@ class NativeModel:
             head=head.packed.packed.struct if self.head_packed else abi.KvflowPackedWeight(),
             head_abs_sum=_f32(head.packed._block_abs_sum) if self.head_packed else None,
             layers=self.layers, activation=ACTIVATIONS[arch.hidden_act],
-            embed_scale=getattr(model, "embed_scale", 0.0),
+            embed_scale=getattr(model, "embed_scale", 0.0), swiglu_alpha=arch.swiglu_alpha,
+            swiglu_limit=arch.swiglu_limit,
         )
         self.final_softcap = float(getattr(model, "final_softcap", 0.0))  # Gemma 2's, on the packed head's logits
         # bfloat16 copies for many-row steps ([layer][projection] as W^T views), where the plan made them.
@@ -176,12 +184,17 @@ class NativeModel:
         down = (abi.KvflowPackedWeight * count)(*[e.down_proj.packed.struct for e in mlp.experts])
         router = mlp.gate
         packed_router = isinstance(router, PackedLinear)
+        # gpt-oss's expert biases, one contiguous table per projection (C reads expert e's row e).
+        biased = mlp.experts[0].gate_up_proj.bias is not None
+        biases = [torch.stack([getattr(e, p).bias for e in mlp.experts]).contiguous() if biased else None
+                  for p in ("gate_up_proj", "down_proj")]
         moe = abi.KvflowMoE(num_experts=count, top_k=mlp.top_k, normalize=int(mlp.normalize),
                             intermediate=arch.moe_intermediate_size,
                             router=None if packed_router else _f32(router.weight),
                             router_packed=router.packed.struct if packed_router else abi.KvflowPackedWeight(),
-                            gate_up=gate_up, down=down)
-        self._moe.append((moe, gate_up, down))
+                            gate_up=gate_up, down=down, router_bias=_f32(router.bias),
+                            gate_up_bias=_f32(biases[0]), down_bias=_f32(biases[1]))
+        self._moe.append((moe, gate_up, down, biases))
         return ctypes.pointer(moe)
 
     @classmethod
@@ -191,7 +204,8 @@ class NativeModel:
     def bind(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Point every layer's attention at these [blocks, block_size, kv_heads, head_dim] caches."""
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            cache = paged_attention.layer_struct(k_cache, v_cache, layer.attention.num_heads, layer.attention.scale,
-                                                 layer.attention.window, layer.attention.softcap)
+            a = layer.attention
+            cache = paged_attention.layer_struct(k_cache, v_cache, a.num_heads, a.scale, a.window, a.softcap)
+            cache.sinks = a.sinks  # the model's own, already checked
             layer.attention = cache
         self.bound, self._held = kv_caches, [t for pair in kv_caches for t in pair]

@@ -45,17 +45,24 @@ def cache_layout(cache: torch.Tensor) -> str | None:
 
 
 def layer_struct(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float, window: int = 0,
-                 softcap: float = 0.0) -> abi.KvflowAttention:
+                 softcap: float = 0.0, sinks: torch.Tensor | None = None) -> abi.KvflowAttention:
     """One layer's paged cache [blocks, block_size, kv_heads, head_dim] (head_dim + 4 bytes for an 8-bit
     cache; either layout of cache_layout) as the kernels read it; window > 0 for a sliding-window layer,
-    softcap > 0 for capped scores."""
+    softcap > 0 for capped scores, sinks (float32 [num_heads], kept alive by the caller) for gpt-oss's."""
     layout = cache_layout(k_cache)
     if k_cache.dtype not in CACHE_DTYPES or layout is None or cache_layout(v_cache) != layout:
         raise ValueError("the CPU kernels take float32, bfloat16, float16 or int8 caches, token- or head-major")
     return abi.KvflowAttention(k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
                                cache_dtype=CACHE_DTYPES[k_cache.dtype], block_size=k_cache.shape[1],
                                num_heads=num_heads, num_kv_heads=k_cache.shape[2], head_dim=kv_int8.head_dim_of(k_cache),
-                               scale=scale, window=window, softcap=softcap, head_major=int(layout == "head"))
+                               scale=scale, window=window, softcap=softcap, head_major=int(layout == "head"),
+                               sinks=None if sinks is None else _sinks_pointer(sinks, num_heads))
+
+
+def _sinks_pointer(sinks: torch.Tensor, num_heads: int) -> int:
+    if sinks.dtype != torch.float32 or not sinks.is_contiguous() or sinks.shape != (num_heads,):
+        raise ValueError("the CPU kernels take sinks as float32 [num_heads]")
+    return sinks.data_ptr()
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor) -> bool:

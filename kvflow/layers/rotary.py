@@ -13,7 +13,7 @@ from torch import nn
 
 from kvflow.errors import UnsupportedModelError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "longrope", "yarn")
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -27,6 +27,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         return _llama3_inv_freq(inv_freq, scaling)
     if rope_type == "freq_factors":  # from GGUF files: one divisor per frequency, precomputed
         return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     if rope_type == "longrope":  # the short factors; RotaryEmbedding takes the long ones past the original length
         return inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float32)
     raise UnsupportedModelError(
@@ -48,14 +50,51 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
+def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN (gpt-oss, Qwen long-context): frequencies that turn fewer than beta_slow times over the original
+    context are slowed by `factor`, those turning more than beta_fast times are kept, a linear ramp between."""
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+
+    def dim_of(rotations: float) -> float:  # the dimension whose frequency turns this many times
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(float(scaling.get("beta_fast") or 32)), dim_of(float(scaling.get("beta_slow") or 1))
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: the frequency is kept, 0: slowed by factor
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
+
+
+def yarn_gain(scaling: dict) -> float:
+    """The factor YaRN scales cos and sin by (its attention temperature)."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(float(scaling["mscale"])) / mscale(float(scaling["mscale_all_dim"]))
+    return mscale(1.0)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None = None) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         gain = 1.0
-        if (scaling or {}).get("rope_type", (scaling or {}).get("type")) == "longrope":
+        rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+        if rope_type == "longrope":
             freqs, gain = _longrope(freqs, head_dim, theta, scaling)
+        elif rope_type == "yarn":
+            gain = yarn_gain(scaling)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * gain, persistent=False)
         self.register_buffer("sin", emb.sin() * gain, persistent=False)

@@ -23,6 +23,7 @@ from kvflow.layers.quant.packing import PACKED_BITS
 GGUF_ARCHITECTURES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
     "llama": "LlamaForCausalLM",  # MixtralForCausalLM when it has experts
     "phi3": "Phi3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -137,6 +138,9 @@ def hf_config_from_gguf(reader, path: Path) -> dict:
                                     if f"blk.{i}.ffn_gate_exps.weight" not in names])
     if arch in GEMMA_TYPES:
         cfg.update(_gemma_settings(arch, meta, cfg))
+    if arch == "gpt-oss":  # llama.cpp's pattern: the window on every other layer, from the first
+        cfg["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                              for i in range(cfg["num_hidden_layers"])]
     scaling = _rope_scaling(reader, meta, names, path, cfg)
     if scaling is not None:
         cfg["rope_scaling"] = scaling
@@ -158,9 +162,25 @@ def _rope_scaling(reader, meta, names: set[str], path: Path, cfg: dict) -> dict 
     scaling_type = meta("rope.scaling.type")
     if scaling_type == "linear":
         return {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
+    if scaling_type == "yarn":
+        return _yarn_scaling(meta, path, cfg)
     if scaling_type not in (None, "none"):
         raise UnsupportedModelError(f"{path.name}: rope scaling type {scaling_type!r} is not supported")
     return None
+
+
+def _yarn_scaling(meta, path: Path, cfg: dict) -> dict:
+    """YaRN as transformers reads it. gpt-oss's own config turns off the rounding of the ramp's ends
+    (truncate: false), which GGUF has no key for."""
+    if float(meta("rope.scaling.yarn_attn_factor", 1.0)) != 1.0 or meta("rope.scaling.yarn_log_multiplier"):
+        raise UnsupportedModelError(f"{path.name}: YaRN with an attention factor or log multiplier is not supported")
+    scaling = {"rope_type": "yarn", "factor": float(meta("rope.scaling.factor")),
+               "original_max_position_embeddings": int(meta("rope.scaling.original_context_length")),
+               "beta_fast": float(meta("rope.scaling.yarn_beta_fast", 32.0)),
+               "beta_slow": float(meta("rope.scaling.yarn_beta_slow", 1.0))}
+    if cfg["model_type"] == "gpt-oss":
+        scaling["truncate"] = False
+    return scaling
 
 
 def _gemma_settings(arch: str, meta, cfg: dict) -> dict:
@@ -282,6 +302,10 @@ def _hf_name(gguf_name: str, model_type: str) -> str | None:
     kind = m.group(2)
     if kind in _EXPERT_TENSORS:
         return f"model.layers.{m.group(1)}.mlp.experts.{{e}}.{_EXPERT_TENSORS[kind]}.{m.group(3)}"
+    if kind == "attn_sinks":  # gpt-oss: a parameter of its own, not a layer's weight
+        return f"model.layers.{m.group(1)}.self_attn.sinks"
+    if kind == "post_attention_norm" and model_type == "gpt-oss":  # the norm before the MLP
+        return f"model.layers.{m.group(1)}.post_attention_layernorm.{m.group(3)}"
     if kind == "ffn_up" and model_type == "phi3":  # Phi-3 stores gate and up fused, under ffn_up
         return f"model.layers.{m.group(1)}.mlp.gate_up_proj.{m.group(3)}"
     if kind in _GEMMA_NORMS and model_type in GEMMA_TYPES:
@@ -295,8 +319,9 @@ def _expert_names(gguf_name: str, hf_name: str, shape: tuple[int, ...], experts:
     """Per-expert names of a stacked expert tensor of this (numpy-order) shape; None for any other tensor."""
     if "{e}" not in hf_name:
         return None
-    if len(shape) != 3:
-        raise ModelLoadError(f"GGUF tensor {gguf_name} should stack its experts in 3 dimensions, not {len(shape)}")
+    dims = 2 if hf_name.endswith(".bias") else 3  # gpt-oss's experts have biases: [experts, out]
+    if len(shape) != dims:
+        raise ModelLoadError(f"GGUF tensor {gguf_name} should stack its experts in {dims} dimensions, not {len(shape)}")
     if shape[0] != experts:
         raise ModelLoadError(f"GGUF tensor {gguf_name} holds {shape[0]} experts, but the file's metadata says "
                              f"{experts} (expert_count)")

@@ -111,6 +111,13 @@ _LLAMA3_REGEX = (
 )
 # Qwen2 is Llama 3's split with single digits.
 _QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
+# GPT-4o's (o200k: gpt-oss): words split at case changes keep their contraction; "/" joins a run of symbols.
+_UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_GPT4O_REGEX = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTION}|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTION}"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 def _split_then_bytes(pattern: str) -> pre_tokenizers.PreTokenizer:
@@ -147,6 +154,8 @@ _PRE_TOKENIZERS: dict[str, tuple[Callable[[], pre_tokenizers.PreTokenizer], bool
     **dict.fromkeys(
         ("qwen2", "deepseek-r1-qwen", "stablelm2", "megrez"), (lambda: _split_then_bytes(_QWEN2_REGEX), False)
     ),
+    # tiktoken's o200k (gpt-oss): as Llama 3's, a whole piece found in the vocabulary wins.
+    "gpt-4o": (lambda: _split_then_bytes(_GPT4O_REGEX), True),
 }
 
 

@@ -25,7 +25,23 @@ def read_config(folder: Path) -> dict:
         raise ModelLoadError(f"{folder} has no config.json (not a Hugging Face model folder)") from exc
     except json.JSONDecodeError as exc:
         raise ModelLoadError(f"{folder / 'config.json'} is not valid JSON: {exc}") from exc
-    return text_model_config(cfg)
+    return with_generation_eos(text_model_config(cfg), folder)
+
+
+def with_generation_eos(cfg: dict, folder: Path) -> dict:
+    """The config with generation_config.json's end-of-turn tokens added to its own: instruct models often
+    list more there (Llama 3's <|eom_id|> and <|eot_id|>, gpt-oss's <|call|> beside <|return|>)."""
+    try:
+        extra = json.loads((folder / "generation_config.json").read_text()).get("eos_token_id")
+    except (FileNotFoundError, json.JSONDecodeError, AttributeError):
+        return cfg
+    ids = _token_ids(cfg.get("eos_token_id"))
+    merged = ids + [t for t in _token_ids(extra) if t not in ids]
+    return {**cfg, "eos_token_id": merged} if merged != ids else cfg
+
+
+def _token_ids(value: int | list[int] | None) -> list[int]:
+    return [] if value is None else [int(value)] if isinstance(value, int) else [int(t) for t in value]
 
 
 def text_model_config(cfg: dict) -> dict:

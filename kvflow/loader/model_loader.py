@@ -82,7 +82,8 @@ def load_weights(files: ModelFiles, arch: ArchConfig, dtype: torch.dtype, quanti
                 if sharder is not None:
                     raws = (cut for cut in map(sharder.narrow_raw, raws) if cut is not None)
                 packed = quantized_loading.pack_gguf(model, raws, dtype, packed_cache)
-            model.load_weights((name, t.to(device=device, dtype=dtype))
+            # (Integer tensors keep their type: gpt-oss's MXFP4 blocks and scales, which the model decodes.)
+            model.load_weights((name, t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device))
                                for name, t in progress.track(files.weights(packed)))
             quantized_loading.quantize_linears(model, quantization)
     except (KeyError, ValueError) as exc:

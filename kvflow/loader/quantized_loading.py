@@ -113,7 +113,8 @@ def _pack_experts(model: nn.Module, name: str, moe: SparseMoE, raws: dict) -> se
         if views is None:
             continue
         for e, view in enumerate(views):
-            model.set_submodule(f"{name}.experts.{e}.{proj}", PackedLinear(view))
+            bias = getattr(moe.experts[e], proj).bias  # gpt-oss's; the float pass fills it
+            model.set_submodule(f"{name}.experts.{e}.{proj}", PackedLinear(view, bias=bias))
         consumed |= {p.gguf_name for p in parts}
         for p in parts:
             release_pages(p.data)

@@ -24,6 +24,15 @@ class ArchConfig:
     attention_bias: bool = False  # Qwen2: bias on q, k, v
     qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k
     hidden_act: str = "silu"  # the gated MLP's activation
+    # gpt-oss's experts: SwiGLU with the gate capped above and the up projection clamped both ways, the
+    # sigmoid's gain alpha, and up + 1 (activation "swiglu_oai").
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    o_proj_bias: bool = False  # gpt-oss: bias on the attention's output projection too
+    # gpt-oss: one learned logit per query head that joins every softmax's denominator (and takes no value).
+    attention_sinks: bool = False
+    router_bias: bool = False  # gpt-oss: the MoE router has a bias
+    expert_bias: bool = False  # gpt-oss: each expert's gate/up and down have biases
     partial_rotary_factor: float = 1.0  # Phi-3/4: rotary on the first part of each head only
     sliding_window: int | None = None  # attention sees this many positions (itself included); None: all
     # Per layer "sliding_attention" or "full_attention" where they differ (Gemma: interleaved); None: every
@@ -100,6 +109,8 @@ class ArchConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
             hidden_act=str(cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"),
+            swiglu_alpha=float(cfg.get("swiglu_alpha") or 1.702),
+            swiglu_limit=float(cfg.get("swiglu_limit") or 7.0),
             partial_rotary_factor=float(cfg.get("partial_rotary_factor") or 1.0),
             sliding_window=_sliding_window(cfg),
             layer_types=_layer_types(cfg, layers),

@@ -40,7 +40,9 @@ class Attention(nn.Module):
         self.kv_group = arch.layer_kv_group(layer_index)  # whose block tables its cache follows
         self.softcap = 0.0  # > 0: scores capped as softcap * tanh(score / softcap) (Gemma 2)
         self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
-        self.o_proj = Linear(self.q_size, arch.hidden_size)
+        self.o_proj = Linear(self.q_size, arch.hidden_size, bias=arch.o_proj_bias)
+        # gpt-oss: a logit per query head in every softmax's denominator (None: no sinks).
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False) if arch.attention_sinks else None
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.backend: AttentionBackend = ReferenceBackend()
@@ -64,12 +66,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ArchConfig, intermediate_size: int | None = None) -> None:
+    def __init__(self, arch: ArchConfig, intermediate_size: int | None = None, bias: bool = False) -> None:
         super().__init__()
         width = intermediate_size or arch.intermediate_size  # an expert's width in a MoE layer
-        self.gate_up_proj = Linear(arch.hidden_size, 2 * width)
-        self.down_proj = Linear(width, arch.hidden_size)
-        self.act_and_mul = gated_activation(arch.hidden_act)
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * width, bias=bias)
+        self.down_proj = Linear(width, arch.hidden_size, bias=bias)
+        params = {"alpha": arch.swiglu_alpha, "limit": arch.swiglu_limit} if arch.hidden_act == "swiglu_oai" else {}
+        self.act_and_mul = gated_activation(arch.hidden_act, **params)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))

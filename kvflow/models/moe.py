@@ -20,8 +20,9 @@ class SparseMoE(nn.Module):
     def __init__(self, arch: ArchConfig, expert: type[nn.Module]) -> None:
         super().__init__()
         self.top_k, self.normalize = arch.num_experts_per_tok, arch.norm_topk_prob
-        self.gate = Linear(arch.hidden_size, arch.num_experts)  # the router
-        self.experts = nn.ModuleList(expert(arch, arch.moe_intermediate_size) for _ in range(arch.num_experts))
+        self.gate = Linear(arch.hidden_size, arch.num_experts, bias=arch.router_bias)  # the router
+        self.experts = nn.ModuleList(expert(arch, arch.moe_intermediate_size, bias=arch.expert_bias)
+                                     for _ in range(arch.num_experts))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's chosen experts [T, k] and their weights [T, k] (float32). A float router runs in
@@ -30,10 +31,12 @@ class SparseMoE(nn.Module):
         the weights do not (the packed kernel's rows never depend on it)."""
         if isinstance(self.gate, Linear):
             if getattr(self, "_router64", None) is None:
-                self._router64 = self.gate.weight.detach().double()
-            logits = torch.nn.functional.linear(x.double(), self._router64)
+                bias = self.gate.bias
+                self._router64 = (self.gate.weight.detach().double(), None if bias is None else bias.detach().double())
+            logits = torch.nn.functional.linear(x.double(), *self._router64)
         else:  # a packed router (a quantized GGUF file's)
             logits = self.gate(x).double()
+        # (gpt-oss takes the softmax of the top logits alone: the same as these weights renormalised.)
         weights, chosen = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -54,12 +57,12 @@ class SparseMoE(nn.Module):
         return out
 
     def _packed_experts(self) -> list | None:
-        """Each expert's (gate/up, down) packed weights, where all are PackedLinear without bias (else None)."""
+        """Each expert's (gate/up, down) packed weights, where all are PackedLinear (else None)."""
         if not hasattr(self, "_packed"):
             from kvflow.layers.quant.packed_linear import PackedLinear
 
             layers = [(e.gate_up_proj, e.down_proj) for e in self.experts]
-            ok = all(isinstance(p, PackedLinear) and p.bias is None for pair in layers for p in pair)
+            ok = all(isinstance(p, PackedLinear) for pair in layers for p in pair)
             self._packed = [(g.packed, d.packed) for g, d in layers] if ok else None
         return self._packed
 
@@ -77,11 +80,20 @@ class SparseMoE(nn.Module):
         gate_up = packed_matmul.matmul_many(x.contiguous(), [packed[e][0] for e in experts])
         if gate_up is None:
             return None
+        gate_up = _plus_biases(gate_up, [self.experts[e].gate_up_proj.bias for e in experts])
         hidden = self.experts[experts[0]].act_and_mul(gate_up).contiguous()
         down = packed_matmul.matmul_many(hidden, [packed[e][1] for e in experts])
         if down is None:
             return None
+        down = _plus_biases(down, [self.experts[e].down_proj.bias for e in experts])
         out = torch.zeros_like(x)
         for j in range(len(experts)):
             out += down[j : j + 1] * w[j]
         return out
+
+
+def _plus_biases(rows: torch.Tensor, biases: list[torch.Tensor | None]) -> torch.Tensor:
+    """Row j of one kernel call over several experts plus expert j's bias (experts without one: as is)."""
+    if biases[0] is None:
+        return rows
+    return rows + torch.stack(biases)

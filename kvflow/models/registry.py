@@ -7,6 +7,7 @@ from torch import nn
 from kvflow.errors import UnsupportedModelError
 from kvflow.models.arch import ArchConfig
 from kvflow.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from kvflow.models.gpt_oss import GptOssForCausalLM
 from kvflow.models.llama import LlamaForCausalLM
 from kvflow.models.mixtral import MixtralForCausalLM
 from kvflow.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
@@ -16,6 +17,7 @@ from kvflow.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,

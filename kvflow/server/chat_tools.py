@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from kvflow.server.errors import bad_request
+from kvflow.server.harmony import is_harmony
 from kvflow.server.reasoning import think_rule
 from kvflow.server.tool_calls import HERMES, LLAMA3, MISTRAL
 from kvflow.structured.compiler import lark_json
@@ -46,7 +47,8 @@ def named_choice(tool_choice: str | dict | None) -> str | None:
 
 # ---- the prompt ---------------------------------------------------------------------------------------
 def template_knows_tools(chat_template: str | None) -> bool:
-    return "tools" in (chat_template or "")
+    # A harmony template (gpt-oss) writes the tools into its developer message itself.
+    return "tools" in (chat_template or "") or is_harmony(chat_template)
 
 
 def tools_system_text(tools: list[Tool]) -> str:

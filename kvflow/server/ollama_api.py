@@ -20,6 +20,7 @@ from kvflow.outputs import RequestOutput
 from kvflow.server import openapi
 from kvflow.server.answer_parser import AnswerParser
 from kvflow.server.chat_prompt import prepare_chat
+from kvflow.server.harmony import is_harmony
 from kvflow.server.ollama_protocol import ChatRequest, GenerateRequest, ShowRequest
 from kvflow.server.serving import (
     ServerState,
@@ -237,10 +238,13 @@ async def show(request: Request) -> dict:
             f"{family}.attention.head_count": arch.num_heads,
             f"{family}.attention.head_count_kv": arch.num_kv_heads,
         },
-        "capabilities": ["completion", "tools"] + (["thinking"] if "<think>" in (state.tokenizer.chat_template or "")
-                                                   else []),
+        "capabilities": ["completion", "tools"] + (["thinking"] if _thinks(state.tokenizer.chat_template) else []),
         "modified_at": _modified_at(state),
     }
+
+
+def _thinks(chat_template: str | None) -> bool:
+    return "<think>" in (chat_template or "") or is_harmony(chat_template)
 
 
 @router.get("/api/version")

@@ -139,6 +139,8 @@ class Message(BaseModel):
             }} for c in self.tool_calls]
         if self.tool_name:
             message["name"] = self.tool_name
+        if self.thinking:  # a harmony template (gpt-oss) keeps the thinking before a tool call
+            message["reasoning_content"] = self.thinking
         return message
 
 
@@ -156,6 +158,8 @@ class ChatRequest(_OllamaRequest):
         body: dict[str, Any] = {"messages": [m.as_openai() for m in self.messages]}
         if self.think is False:  # Ollama's switch for thinking models; templates read enable_thinking
             body["chat_template_kwargs"] = {"enable_thinking": False}
+        elif isinstance(self.think, str):  # "low", "medium" or "high": gpt-oss's reasoning effort
+            body["reasoning_effort"] = self.think
         if self.tools:
             body["tools"] = self.tools
         schema = self.format_schema()

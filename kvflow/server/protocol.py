@@ -242,6 +242,7 @@ class ChatMessage(Lenient):
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[ToolCallItem] | None = None
+    reasoning_content: str | None = None  # the thinking of an answer, sent back (harmony templates use it)
 
     def text(self) -> str:
         if isinstance(self.content, list):  # a refusal part is what the model declined to say: no text
@@ -271,6 +272,8 @@ class ChatCompletionRequest(SamplingFields):
     store: bool | None = None
     service_tier: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: e.g. {"enable_thinking": false}
+    # OpenAI's; templates that take it (gpt-oss's) read it as `reasoning_effort`
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
     # vLLM's and SGLang's: the answer continues the last (assistant) message instead of starting a new one
     continue_final_message: bool = False
     # SGLang's: thinking comes apart from the answer, streamed as it comes (kvflow always does both)
@@ -279,6 +282,11 @@ class ChatCompletionRequest(SamplingFields):
 
     def param_names(self) -> dict[str, str]:
         return {"logprobs": "top_logprobs", "max_tokens": self._max_tokens_field()}
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """What the chat template is given besides the messages and tools (chat_template_kwargs wins)."""
+        effort = {"reasoning_effort": self.reasoning_effort} if self.reasoning_effort is not None else {}
+        return {**effort, **(self.chat_template_kwargs or {})}
 
     def _max_tokens_field(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"

@@ -94,6 +94,9 @@ class ResponsesRequest(BaseModel):
                              for t in self.tools]
         if self.tool_choice is not None:
             body["tool_choice"] = _chat_tool_choice(self.tool_choice)
+        effort = (self.reasoning or {}).get("effort")
+        if effort in ("low", "medium", "high"):  # gpt-oss's template takes it
+            body["reasoning_effort"] = effort
         fmt = self.text.format if self.text is not None else None
         if fmt is not None and fmt.type != "text":
             schema = fmt.schema_ if fmt.type == "json_schema" else None

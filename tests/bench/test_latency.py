@@ -68,3 +68,21 @@ def test_zero_prompt_or_generation_length_skips_that_test(tmp_path, tiny_checkpo
 def test_weight_bytes_counts_each_read_weight_once(default_loaded):
     # SmolLM2 in float32: 134.5 M parameters, the tied embedding read once as the output projection.
     assert weight_bytes_read_per_step(default_loaded.model) == 134_515_008 * 4
+
+
+def test_an_untied_packed_embedding_is_not_read_per_step(tiny_checkpoints, tmp_path):
+    """A GGUF file's own token_embd (packed, not tied to the output) is only indexed: a decode step reads
+    every packed byte but its table's."""
+    from gguf_files import requantize
+    from hf_to_gguf import hf_to_gguf
+
+    from kvflow.config import ModelConfig
+    from kvflow.executors.model_setup import load_model
+    from kvflow.loader.quantized_loading import weight_nbytes
+
+    f32 = hf_to_gguf(tiny_checkpoints["llama"], tmp_path / "f32.gguf")
+    q8 = requantize(f32, tmp_path / "q8.gguf", lambda name: "Q8_0" if name.endswith(".weight") else None)
+    model = load_model(ModelConfig(model=str(q8), device="cpu")).model
+    assert not model.arch.tie_word_embeddings
+    table = model.embed_tokens.source.nbytes()
+    assert table > 0 and weight_bytes_read_per_step(model) == weight_nbytes(model) - table

@@ -1,5 +1,6 @@
 """The invariance tests of test_invariance.py on a tiny random Qwen3-MoE (4 experts, top 2, one dense
-layer), int4-packed, in the exact mode: a token's experts and its sum over them must not depend on the
+layer) and a tiny gpt-oss (4 experts with biases, a biased router, sinks, sliding windows between global
+layers), int4-packed, in the exact mode: a token's experts and its sum over them must not depend on the
 batch, the chunking, the prefix cache or preemption."""
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from kvflow.config import ModelConfig
 from kvflow.executors.model_setup import load_model
 
 
-@pytest.fixture(scope="module")
-def tiny_moe(tiny_checkpoints):
-    return load_model(ModelConfig(model=str(tiny_checkpoints["qwen3_moe"]), device="cpu", mode="exact",
+@pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss"])
+def tiny_moe(request, tiny_checkpoints):
+    return load_model(ModelConfig(model=str(tiny_checkpoints[request.param]), device="cpu", mode="exact",
                                   quantization="int4"))
 
 

@@ -222,13 +222,14 @@ def test_dense_many_row_steps_stay_as_close_to_float32_as_the_pytorch_layers(den
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3_longrope", "mistral_window", "qwen3_moe", "mixtral",
-                                  "gemma2", "gemma3"])
+                                  "gemma2", "gemma3", "gpt_oss"])
 @pytest.mark.usefixtures("sixteen_bit_inputs")
 def test_bias_and_head_norms_against_the_pytorch_layers(tiny_checkpoints, arch, native_steps, tmp_path):
     """Qwen2's q/k/v bias, Qwen3's per-head q/k norms, LongRoPE's scaled rotary table, a sliding window
     on every layer, mixtures of experts (Qwen3-MoE with a dense layer, without renormalized weights;
     Mixtral with them), and Gemma (GeGLU, four norms a layer, the scaled embedding, sliding-window layers
-    beside global ones in KV groups of their own, Gemma 2's soft-caps, Gemma 3's local rotary) (int4-packed
+    beside global ones in KV groups of their own, Gemma 2's soft-caps, Gemma 3's local rotary), and gpt-oss
+    (sinks, o's bias, a biased router, biased experts with the clamped SwiGLU, YaRN) (int4-packed
     tiny models: a float32 embedding table and a float output head, which the executor applies after the
     native call). 16-bit inputs throughout, as the PyTorch layers'."""
     folder = (make_tiny_checkpoint("mistral", tmp_path / "m", sliding_window=24) if arch == "mistral_window"
@@ -242,13 +243,14 @@ def test_bias_and_head_norms_against_the_pytorch_layers(tiny_checkpoints, arch, 
     assert_close_outputs(ours, theirs, 3e-2)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
 @pytest.mark.usefixtures("sixteen_bit_inputs")
-def test_native_experts_do_not_depend_on_the_batch(tiny_checkpoints, native_steps):
+def test_native_experts_do_not_depend_on_the_batch(tiny_checkpoints, native_steps, arch):
     """The native decoder's MoE layers (csrc/moe_mlp.cpp) choose and sum a row's experts from that row
     alone, and the grouped expert matmuls compute each row on its own: prompts alone, batched together and
     prefilled 16 tokens at a time give the same greedy tokens, and logprobs that differ only by the float
     output head's rounding (PyTorch's float32 matmul rounds by the rows in the call: 1e-5)."""
-    loaded = load_model(ModelConfig(model=str(tiny_checkpoints["qwen3_moe"]), device="cpu", quantization="int4"))
+    loaded = load_model(ModelConfig(model=str(tiny_checkpoints[arch]), device="cpu", quantization="int4"))
     assert loaded.native is not None and loaded.native.dense_t is None
     prompts = [{"prompt_token_ids": list(range(3 + i, 50 + 9 * i))} for i in range(4)]
     alone = [make_llm(loaded, kv_cache_memory=16 << 20).generate([p], PARAMS)[0] for p in prompts]

@@ -22,9 +22,10 @@ def metadata(batch) -> AttentionMetadata:
     )
 
 
-def store_and_attend(q, k, v, k_cache, v_cache, meta, scale, out, all_rows=False, window=0, softcap=0.0) -> None:
+def store_and_attend(q, k, v, k_cache, v_cache, meta, scale, out, all_rows=False, window=0, softcap=0.0,
+                     sinks=None) -> None:
     step = paged_attention.step_struct(meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables)
-    layer = paged_attention.layer_struct(k_cache, v_cache, q.shape[1], scale, window, softcap)
+    layer = paged_attention.layer_struct(k_cache, v_cache, q.shape[1], scale, window, softcap, sinks)
     paged_attention.store_and_attend(layer, step, q, k, v, out, all_rows=all_rows)
 
 
@@ -189,6 +190,26 @@ def test_sliding_window_and_softcap_match_reference(window, softcap, head_dim):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     no_window = batch.reference_output(scale=0.125)
     assert not torch.allclose(expected, no_window, atol=1e-3)  # the window and cap really change the result
+
+
+# gpt-oss's sinks: a head whose sink outweighs its scores (large), one where the scores win (negative),
+# alone and with a window; every row (prompt rows too) and a one-token decode row.
+@pytest.mark.parametrize("window", [0, 24])
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_sinks_match_reference(window, head_dim):
+    batch = make_paged_batch([40, 21, 300, 2080], [7, 1, 130, 1], num_kv_heads=2, group=3,
+                             head_dim=head_dim, block_size=16, dtype=torch.float32, device=CPU)
+    sinks = torch.tensor([4.0, -3.0, 0.5, 1.0, 8.0, -1.0])
+    expected = batch.reference_output(scale=0.125, window=window, sinks=sinks)
+    out = torch.zeros(batch.q.shape)
+    store_and_attend(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, metadata(batch), 0.125, out,
+                     all_rows=True, window=window, sinks=sinks)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    without = batch.reference_output(scale=0.125, window=window)
+    assert not torch.allclose(expected, without, atol=1e-3)  # the sinks really change the result
+    # A sink only shrinks a row: each head's output is the sink-free one times Z / (Z + e^sink) < 1.
+    shrink = (expected.norm(dim=-1) / without.norm(dim=-1))
+    assert bool((shrink < 1).all()) and float(shrink[:, 4].max()) < float(shrink[:, 1].min())
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.int8])

@@ -23,8 +23,8 @@ from kvflow.executors.model_setup import load_model
 from kvflow.layers.quant.packed_linear import PackedLinear
 
 # llama.cpp has no key for Gemma's query_pre_attn_scalar: its files assume head_dim (tiny_models' Gemma 2
-# sets another value, for the Hugging Face parity test).
-GGUF_OVERRIDES = {"gemma2": {"query_pre_attn_scalar": 16}}
+# sets another value, for the Hugging Face parity test); nor for gpt-oss's expert clamp, which it fixes at 7.
+GGUF_OVERRIDES = {"gemma2": {"query_pre_attn_scalar": 16}, "gpt_oss": {"swiglu_limit": 7.0}}
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def test_gguf_matches_transformers(arch, converted):
         assert out.outputs[0].token_ids == reference_greedy(ref, prompt, 24)
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "phi3", "gemma3"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "phi3", "gemma3", "gpt_oss"])
 def test_q8_0_file_stays_packed(arch, converted, tmp_path):
     """Q8_0 weights load packed (each MoE expert its own packed layer, read from its slice of the stacked
     tensor), and give the logits of the same file's weights dequantized to float32 (to the rounding of the

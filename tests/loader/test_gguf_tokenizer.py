@@ -239,6 +239,16 @@ def test_byte_level_pre_tokenizers_by_pre_type():
         assert [piece for piece, _ in pieces] == expected, pre
 
 
+def test_gpt4o_pre_tokenizer_splits_as_o200k():
+    """gpt-oss's files name GPT-4o's split: words break where lower case turns upper, a contraction stays on
+    its word, digits go three at a time, and "/" ends a run of symbols."""
+    tokenizer = build_gguf_tokenizer(_vocab(model="gpt2", pre="gpt-4o", tokens=["a"], token_types=[1], scores=None,
+                                            merges=[], bos_id=None, eos_id=None, unk_id=None, add_bos=False))
+    pieces = tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str("HelloWorld's CAPSLock 12345 a//b\n\n x")
+    assert [p.replace("Ġ", " ").replace("Ċ", "\n") for p, _ in pieces] == [
+        "Hello", "World's", " CAPSLock", " ", "123", "45", " a", "//", "b", "\n\n", " x"]
+
+
 def test_unsupported_model_names_supported_ones():
     with pytest.raises(ValueError, match=r"'bert'.*gpt2, llama"):
         build_gguf_tokenizer(_vocab(model="bert"))

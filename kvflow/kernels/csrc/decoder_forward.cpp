@@ -1,7 +1,7 @@
 // The native decoder: one step of a Llama-family model in one call, token ids in, final hidden states
 // and the sampled rows' logits out. Each layer does what kvflow/models/llama.py describes: norm, q/k/v
-// (optional bias and per-head norms), rotary embedding, attention over the paged cache, o, norm,
-// gate/up, SiLU, down.
+// (optional bias and per-head norms), rotary embedding, attention over the paged cache, o (optional
+// bias), norm, gate/up, activation, down (or a mixture of experts: moe_mlp.cpp).
 //
 // A decode step does little arithmetic per layer, so dispatching each op from Python would cost as much
 // as the op; here the whole stack runs without returning. The caller chooses, per step, how to multiply
@@ -124,6 +124,7 @@ int packed_layers(const KvflowDecoder& m, const KvflowStep* steps, const int64_t
       norm_output_row(row, weight, s.h, m.eps, row);
     });
   };
+  const kvflow::Activation act{m.activation, m.swiglu_alpha, m.swiglu_limit};
   for (int l = 0; l < m.num_layers; ++l) {
     const KvflowDecoderLayer& layer = m.layers[l];
     add_norm(l == 0 ? nullptr : b.proj.data(), layer.input_norm);
@@ -138,10 +139,15 @@ int packed_layers(const KvflowDecoder& m, const KvflowStep* steps, const int64_t
     if (kvflow_paged_attention(&layer.attention, &steps[layer.kv_group], &qkv, b.attn.data(), s.q_size, 1, threads))
       return -1;
     if (kvflow_packed_matmul(&layer.o, b.attn.data(), s.q_size, rows, b.proj.data(), s.h, bits, threads)) return -1;
+    if (layer.o_bias)
+      each_row(rows, threads, [&](int r) {
+        float* row = b.proj.data() + static_cast<int64_t>(r) * s.h;
+        for (int j = 0; j < s.h; ++j) row[j] += layer.o_bias[j];
+      });
     norm_outputs(layer.attn_out_norm);
     add_norm(b.proj.data(), layer.post_norm);
     if (layer.moe) {
-      if (kvflow::moe_mlp(*layer.moe, b.normed.data(), s.h, rows, b.proj.data(), bits, threads)) return -1;
+      if (kvflow::moe_mlp(*layer.moe, act, b.normed.data(), s.h, rows, b.proj.data(), bits, threads)) return -1;
       norm_outputs(layer.mlp_out_norm);
       continue;
     }
@@ -150,8 +156,7 @@ int packed_layers(const KvflowDecoder& m, const KvflowStep* steps, const int64_t
       return -1;
     each_row(rows, threads, [&](int r) {
       const float* gu = b.gate_up.data() + static_cast<int64_t>(r) * 2 * s.inter;
-      kvflow::gated_activation(m.activation, gu, gu + s.inter, b.act.data() + static_cast<int64_t>(r) * s.inter,
-                               s.inter);
+      kvflow::gated_activation(act, gu, gu + s.inter, b.act.data() + static_cast<int64_t>(r) * s.inter, s.inter);
     });
     if (kvflow_packed_matmul(&layer.down, b.act.data(), s.inter, rows, b.proj.data(), s.h, bits, threads)) return -1;
     norm_outputs(layer.mlp_out_norm);
@@ -182,8 +187,9 @@ int dense_layers(const KvflowDecoder& m, const KvflowStep* steps, const int64_t*
     else
       add_norm_row(hidden + at, delta ? delta + at : nullptr, weight, s.h, m.eps, out + at);
   };
-  for (int l = 0; l < m.num_layers; ++l)
-    if (m.layers[l].moe) return -1;  // experts run on the packed kernel only
+  for (int l = 0; l < m.num_layers; ++l)  // experts run on the packed kernel only; o's bias is not added here
+    if (m.layers[l].moe || m.layers[l].o_bias) return -1;
+  const kvflow::Activation act{m.activation, m.swiglu_alpha, m.swiglu_limit};
   for (int l = 0; l < m.num_layers; ++l) {
     const KvflowDecoderLayer& layer = m.layers[l];
     each_row(rows, threads, [&](int r) { add_pending_norm(r, layer.input_norm, dense.normed); });
@@ -223,8 +229,7 @@ int dense_layers(const KvflowDecoder& m, const KvflowStep* steps, const int64_t*
     if (dense.matmul(dense.context, l, 2, rows)) return -3;
     each_row(rows, threads, [&](int r) {
       const uint16_t* gu = dense.gate_up + static_cast<int64_t>(r) * 2 * s.inter;
-      kvflow::gated_activation(m.activation, gu, gu + s.inter, dense.act + static_cast<int64_t>(r) * s.inter,
-                               s.inter);
+      kvflow::gated_activation(act, gu, gu + s.inter, dense.act + static_cast<int64_t>(r) * s.inter, s.inter);
     });
     if (dense.matmul(dense.context, l, 3, rows)) return -3;
     delta = dense.proj;

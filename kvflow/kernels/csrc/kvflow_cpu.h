@@ -133,7 +133,8 @@ struct KvflowStep {
 // [num_kv_heads, block_size, row], where each KV head's rows of a block are one contiguous run (the
 // hardware prefetcher follows it; decode at depth reads K/V 1.3 to 1.45x faster than token-major).
 // window > 0: a row sees its last `window` positions only (itself included: sliding-window layers);
-// softcap > 0: scores are capped as softcap * tanh(score / softcap) (Gemma 2).
+// softcap > 0: scores are capped as softcap * tanh(score / softcap) (Gemma 2). sinks: one logit per
+// query head that joins each row's softmax denominator and adds no value (gpt-oss), or null.
 struct KvflowAttention {
   void* k_cache;
   void* v_cache;
@@ -143,6 +144,7 @@ struct KvflowAttention {
   int32_t window;
   float softcap;
   int32_t head_major;
+  const float* sinks;
 };
 
 // A step's query, key and value rows (float32, heads side by side; rows may be strided).
@@ -164,24 +166,30 @@ int32_t kvflow_paged_attention(const KvflowAttention* layer, const KvflowStep* s
 
 // Causal attention of every prompt chunk of two or more rows over its cached context (the chunk's own K/V
 // already stored), bfloat16 products on AMX tiles and a float32 softmax; out: bfloat16 rows. One-token
-// rows are left alone. Returns -1 where this build or CPU has no AMX, or for head sizes it does not take.
+// rows are left alone. Returns -1 where this build or CPU has no AMX, or for head sizes or sinks it does not
+// take.
 int32_t kvflow_prefill_attention_bf16(const KvflowAttention* layer, const KvflowStep* step, const float* q,
                                       int64_t q_stride, uint16_t* out, int64_t out_stride, int32_t num_threads);
 
 // ---- the native decoder: one call runs a whole step of a Llama-family model -------------------------
 
 // One layer, as its model file describes it (kvflow/models/llama.py): norm, q/k/v (optional bias and
-// per-head norms), rotary, attention, o, norm, gate/up, SiLU, down. The projections are packed.
+// per-head norms), rotary, attention (optional sinks), o (optional bias), norm, gate/up, activation, down.
+// The projections are packed.
 // A mixture-of-experts MLP (Qwen3-MoE, Mixtral), as kvflow/models/moe.py runs it: the router's logits,
 // softmax and top_k in double, the chosen weights renormalized (normalize) and rounded to float32; each
 // chosen expert is a gated MLP (gate/up fused, SiLU, down), and a row's output is the sum over its experts
 // in ascending expert order, from zero, of the expert's output times its weight.
+// gpt-oss adds biases: the router's (to its logits, before the softmax) and each expert's gate/up and down.
 struct KvflowMoE {
   int32_t num_experts, top_k, normalize, intermediate;
   const float* router;               // [num_experts, hidden] float32, or null: router_packed
   KvflowPackedWeight router_packed;  // a quantized file's router
   const KvflowPackedWeight* gate_up;  // [num_experts]
   const KvflowPackedWeight* down;     // [num_experts]
+  const float* router_bias;   // [num_experts], or null
+  const float* gate_up_bias;  // [num_experts, 2 * intermediate], or null
+  const float* down_bias;     // [num_experts, hidden], or null
 };
 
 struct KvflowDecoderLayer {
@@ -195,6 +203,7 @@ struct KvflowDecoderLayer {
   const float* attn_out_norm;  // Gemma: the attention's output normed before the residual add, or null
   const float* mlp_out_norm;   // Gemma: the MLP's output, likewise, or null
   const float* qkv_bias;  // or null
+  const float* o_bias;    // or null (gpt-oss)
   const float* q_norm;    // per-head norms (Qwen3, Gemma 3), or null
   const float* k_norm;
   const float* cos;  // this layer's rotary table [max_positions, head_dim] (Gemma 3's sliding layers have
@@ -232,8 +241,10 @@ struct KvflowDecoder {
   KvflowPackedWeight head;       // the output projection, packed; or data null (the caller projects)
   const float* head_abs_sum;     // the head's block_abs_sum (kvflow_packed_refine_top), or null
   const KvflowDecoderLayer* layers;
-  int32_t activation;  // the gated MLP's: 0 SiLU, 1 GELU with the tanh approximation (Gemma)
+  int32_t activation;  // the gated MLP's (experts' too): 0 SiLU, 1 GELU with the tanh approximation (Gemma),
+                       // 2 gpt-oss's clamped SwiGLU (swiglu_alpha, swiglu_limit)
   float embed_scale;   // token embeddings times this (Gemma: sqrt(hidden)), or 0: as they are
+  float swiglu_alpha, swiglu_limit;
 };
 
 // One step: token ids -> final-norm hidden states [rows, hidden] (hidden) and, when the head is packed,

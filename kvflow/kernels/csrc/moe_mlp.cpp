@@ -59,10 +59,15 @@ void route_row(const KvflowMoE& moe, const double* logits, int* experts, float* 
   }
 }
 
+// y[j] += bias[j]: an expert's bias on its output row, in float32 as PackedLinear adds it.
+void add_row(float* y, const float* bias, int n) {
+  for (int j = 0; j < n; ++j) y[j] += bias[j];
+}
+
 struct MoeBuffers {
   std::vector<float> logits_f, gathered, gate_up, act, down, pair_weight;
   std::vector<double> logits;
-  std::vector<int> chosen, pair_row, count, first;
+  std::vector<int> chosen, pair_row, pair_expert, count, first;
   std::vector<float> chosen_weight;
   std::vector<KvflowPackedWeight> gate_up_w, down_w;
   std::vector<int32_t> rows_of;
@@ -70,7 +75,8 @@ struct MoeBuffers {
 
 }  // namespace
 
-int moe_mlp(const KvflowMoE& moe, const float* x, int hidden, int rows, float* out, int input_bits, int threads) {
+int moe_mlp(const KvflowMoE& moe, const Activation& act, const float* x, int hidden, int rows, float* out,
+            int input_bits, int threads) {
   const int e_count = moe.num_experts, k = moe.top_k, inter = moe.intermediate;
   if (e_count <= 0 || k <= 0 || k > e_count || inter <= 0 || !moe.gate_up || !moe.down) return -1;
   thread_local MoeBuffers own;
@@ -81,14 +87,16 @@ int moe_mlp(const KvflowMoE& moe, const float* x, int hidden, int rows, float* o
     each_row(rows, threads, [&](int r) {
       for (int e = 0; e < e_count; ++e)
         b.logits[static_cast<size_t>(r) * e_count + e] =
-            dot_double(x + static_cast<int64_t>(r) * hidden, moe.router + static_cast<int64_t>(e) * hidden, hidden);
+            dot_double(x + static_cast<int64_t>(r) * hidden, moe.router + static_cast<int64_t>(e) * hidden, hidden) +
+            (moe.router_bias ? static_cast<double>(moe.router_bias[e]) : 0.0);
     });
   } else {
     b.logits_f.resize(n_logits);
     if (moe.router_packed.n != e_count ||
         kvflow_packed_matmul(&moe.router_packed, x, hidden, rows, b.logits_f.data(), e_count, 16, threads))
       return -1;
-    for (size_t i = 0; i < n_logits; ++i) b.logits[i] = b.logits_f[i];
+    for (size_t i = 0; i < n_logits; ++i)  // a bias added in float32, as PackedLinear adds it
+      b.logits[i] = moe.router_bias ? b.logits_f[i] + moe.router_bias[i % e_count] : b.logits_f[i];
   }
   const size_t n_pairs = static_cast<size_t>(rows) * k;
   b.chosen.resize(n_pairs);
@@ -102,12 +110,14 @@ int moe_mlp(const KvflowMoE& moe, const float* x, int hidden, int rows, float* o
   b.first.assign(e_count + 1, 0);
   for (int e = 0; e < e_count; ++e) b.first[e + 1] = b.first[e] + b.count[e];
   b.pair_row.resize(n_pairs);
+  b.pair_expert.resize(n_pairs);
   b.pair_weight.resize(n_pairs);
   std::vector<int>& next = b.count;  // reused as each expert's next free pair
   for (int e = 0; e < e_count; ++e) next[e] = b.first[e];
   for (size_t i = 0; i < n_pairs; ++i) {
     const int p = next[b.chosen[i]]++;
     b.pair_row[p] = static_cast<int>(i / k);
+    b.pair_expert[p] = b.chosen[i];
     b.pair_weight[p] = b.chosen_weight[i];
   }
   b.gate_up_w.clear();
@@ -140,8 +150,9 @@ int moe_mlp(const KvflowMoE& moe, const float* x, int hidden, int rows, float* o
   }
   if (rc) return -1;
   each_row(static_cast<int>(n_pairs), threads, [&](int p) {
-    const float* gu = b.gate_up.data() + static_cast<int64_t>(p) * 2 * inter;
-    silu_mul(gu, gu + inter, b.act.data() + static_cast<int64_t>(p) * inter, inter);
+    float* gu = b.gate_up.data() + static_cast<int64_t>(p) * 2 * inter;
+    if (moe.gate_up_bias) add_row(gu, moe.gate_up_bias + static_cast<int64_t>(b.pair_expert[p]) * 2 * inter, 2 * inter);
+    gated_activation(act, gu, gu + inter, b.act.data() + static_cast<int64_t>(p) * inter, inter);
   });
   if (kvflow_packed_matmul_many(b.down_w.data(), used, rows == 1 ? nullptr : b.rows_of.data(), b.act.data(), inter,
                                 b.down.data(), hidden, input_bits, threads))
@@ -150,7 +161,8 @@ int moe_mlp(const KvflowMoE& moe, const float* x, int hidden, int rows, float* o
   namespace v = simd;
   for (size_t p = 0; p < n_pairs; ++p) {  // ascending expert, so each row sums its experts in that order
     float* o = out + static_cast<int64_t>(b.pair_row[p]) * hidden;
-    const float* d = b.down.data() + static_cast<int64_t>(p) * hidden;
+    float* d = b.down.data() + static_cast<int64_t>(p) * hidden;
+    if (moe.down_bias) add_row(d, moe.down_bias + static_cast<int64_t>(b.pair_expert[p]) * hidden, hidden);
     const float w = b.pair_weight[p];
     int j = 0;
     for (; j + v::kLanes <= hidden; j += v::kLanes)

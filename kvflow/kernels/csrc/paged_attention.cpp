@@ -23,9 +23,10 @@ namespace {
 using namespace kvflow::attention;
 
 // One row's output for query head h: its chunks' partial results [c0, c1) rescaled to their common max
-// and summed in chunk order, then normalised. weights is scratch.
+// and summed in chunk order, then normalised; a sink's exp joins the denominator (-inf: no sink).
+// weights is scratch.
 void merge_chunks(const float* part_max, const float* part_sum, const float* part_acc, int c0, int c1, int hq, int h,
-                  int d, std::vector<float>& weights, float* out) {
+                  int d, float sink, std::vector<float>& weights, float* out) {
   namespace v = kvflow::simd;
   const int n = c1 - c0;
   weights.resize((n + v::kLanes - 1) / v::kLanes * v::kLanes);
@@ -34,12 +35,13 @@ void merge_chunks(const float* part_max, const float* part_sum, const float* par
     weights[c] = part_max[(c0 + c) * hq + h];
     m = weights[c] > m ? weights[c] : m;
   }
+  m = sink > m ? sink : m;
   // exp per chunk, a vector at a time (a scalar exp a chunk made the merge a visible share of the attention).
   for (size_t c = n; c < weights.size(); ++c) weights[c] = -INFINITY;  // exp gives 0
   const v::vf mv = v::set1(m);
   for (size_t c = 0; c < weights.size(); c += v::kLanes)
     v::store(&weights[c], v::exp(v::sub(v::load(&weights[c]), mv)));
-  float total = 0.f;
+  float total = sink == -INFINITY ? 0.f : std::exp(sink - m);
   std::memset(out, 0, sizeof(float) * d);
   for (int c = 0; c < n; ++c) {
     const float w = weights[c];
@@ -53,7 +55,7 @@ void merge_chunks(const float* part_max, const float* part_sum, const float* par
 
 template <typename T>
 void run(const KvflowRows& in, T* k_cache, T* v_cache, const KvflowStep& step, float* out, int64_t out_stride,
-         const Shape& s, int all_rows, int num_threads) {
+         const Shape& s, const float* sinks, int all_rows, int num_threads) {
   const float *q = in.q, *k_new = in.k, *v_new = in.v;
   const int64_t q_stride = in.q_stride, k_stride = in.k_stride, v_stride = in.v_stride;
   const int64_t* slots = step.slots;
@@ -166,8 +168,8 @@ void run(const KvflowRows& in, T* k_cache, T* v_cache, const KvflowStep& step, f
     thread_local std::vector<float> weights;
     workers.for_static(num_rows * hq, [&](int unit) {
       const int i = unit / hq, h = unit % hq;
-      merge_chunks(max_at, sum_at, acc_at, first_chunk_at[i], first_chunk_at[i + 1], hq, h, d, weights,
-                   out + rows_at[i].out_row * out_stride + h * d);
+      merge_chunks(max_at, sum_at, acc_at, first_chunk_at[i], first_chunk_at[i + 1], hq, h, d,
+                   sinks ? sinks[h] : -INFINITY, weights, out + rows_at[i].out_row * out_stride + h * d);
     });
   });
 }
@@ -182,16 +184,16 @@ extern "C" int32_t kvflow_paged_attention(const KvflowAttention* layer, const Kv
   const Shape s{a.num_kv_heads, a.head_dim, a.block_size, a.num_heads / a.num_kv_heads, step->table_stride,
                 a.scale, a.window, a.softcap, a.head_major != 0};
   if (a.cache_dtype == 0)
-    run(*rows, static_cast<float*>(a.k_cache), static_cast<float*>(a.v_cache), *step, out, out_stride, s, all_rows,
+    run(*rows, static_cast<float*>(a.k_cache), static_cast<float*>(a.v_cache), *step, out, out_stride, s, a.sinks, all_rows,
         num_threads);
   else if (a.cache_dtype == 1)
     run(*rows, static_cast<uint16_t*>(a.k_cache), static_cast<uint16_t*>(a.v_cache), *step, out, out_stride, s,
-        all_rows, num_threads);
+        a.sinks, all_rows, num_threads);
   else if (a.cache_dtype == 2)
     run(*rows, static_cast<kvflow::float16*>(a.k_cache), static_cast<kvflow::float16*>(a.v_cache), *step, out, out_stride, s,
-        all_rows, num_threads);
+        a.sinks, all_rows, num_threads);
   else if (a.cache_dtype == 3)  // 8-bit values with a float32 scale per token and KV head (attention_rows.h)
-    run(*rows, static_cast<int8_t*>(a.k_cache), static_cast<int8_t*>(a.v_cache), *step, out, out_stride, s, all_rows,
+    run(*rows, static_cast<int8_t*>(a.k_cache), static_cast<int8_t*>(a.v_cache), *step, out, out_stride, s, a.sinks, all_rows,
         num_threads);
   else
     return -1;

@@ -273,7 +273,7 @@ void pack(kvflow::Team& team, const Cache& c, const std::vector<Sequence>& seqs,
 // heads of size d side by side, row stride q_stride) over its first seq_len positions in the paged cache
 // (the chunk's own K/V already stored), into out (bfloat16 rows, head h at h * d). Rows of one-token
 // queries are left alone. Returns 0, or -1 where this build or CPU has no AMX, for head sizes that are
-// not a multiple of 64 (up to 128), or for a sliding-window or soft-capped layer.
+// not a multiple of 64 (up to 128), or for a sliding-window, soft-capped or sink layer.
 extern "C" int32_t kvflow_prefill_attention_bf16(const KvflowAttention* layer, const KvflowStep* step, const float* q,
                                                  int64_t q_stride, uint16_t* out, int64_t out_stride, int32_t num_threads) {
 #ifdef KVFLOW_HAVE_AMX_BF16
@@ -284,7 +284,8 @@ extern "C" int32_t kvflow_prefill_attention_bf16(const KvflowAttention* layer, c
   const int num_seqs = step->num_seqs;
   if (d % 64 != 0 || d > 128 || hkv < 1 || hq % hkv != 0 || cache_dtype < 0 || cache_dtype > 2 || !kvflow::amx_permitted())
     return -1;
-  if (layer->window > 0 || layer->softcap > 0.f) return -1;  // sliding windows and capped scores: not on tiles
+  // Sliding windows, capped scores and sinks: not on tiles.
+  if (layer->window > 0 || layer->softcap > 0.f || layer->sinks) return -1;
   const Cache cache{layer->k_cache, layer->v_cache, cache_dtype, layer->block_size, hkv, d, layer->head_major != 0};
   std::vector<Sequence> seqs;
   int64_t words = 0;  // packed words per KV head, all sequences

@@ -83,10 +83,35 @@ inline void gelu_tanh_mul(const In* gate, const In* up, Out* a, int n) {
   for (; j < n; ++j) narrow(gelu_tanh(widen(gate[j])) * widen(up[j]), a + j);
 }
 
-// The gated MLP's activation (KvflowDecoder.activation: 0 SiLU, 1 GELU-tanh) on one row.
+// gpt-oss's experts: g = min(gate, limit), u = clamp(up, -limit, limit), a = (u + 1) * g * sigmoid(alpha g),
+// in that order of operations (as layers/activation.py's swiglu_oai_and_mul).
 template <typename In, typename Out>
-inline void gated_activation(int activation, const In* gate, const In* up, Out* a, int n) {
-  if (activation == 1)
+inline void swiglu_oai_mul(const In* gate, const In* up, Out* a, int n, float alpha, float limit) {
+  int j = 0;
+  const simd::vf one = simd::set1(1.f), hi = simd::set1(limit), lo = simd::set1(-limit), k = simd::set1(-alpha);
+  for (; j + simd::kLanes <= n; j += simd::kLanes) {
+    const simd::vf g = simd::min(simd::load(gate + j), hi);
+    const simd::vf u = simd::max(simd::min(simd::load(up + j), hi), lo);
+    const simd::vf glu = simd::div(g, simd::add(one, simd::exp(simd::mul(k, g))));
+    simd::store(a + j, simd::mul(simd::add(u, one), glu));
+  }
+  for (; j < n; ++j) {
+    const float g = std::fmin(widen(gate[j]), limit), u = std::fmax(std::fmin(widen(up[j]), limit), -limit);
+    narrow((u + 1.f) * (g / (1.f + std::exp(-alpha * g))), a + j);
+  }
+}
+
+// A gated MLP's activation on one row: 0 SiLU, 1 GELU-tanh, 2 gpt-oss's clamped SwiGLU (alpha, limit).
+struct Activation {
+  int kind;
+  float alpha, limit;
+};
+
+template <typename In, typename Out>
+inline void gated_activation(const Activation& act, const In* gate, const In* up, Out* a, int n) {
+  if (act.kind == 2)
+    swiglu_oai_mul(gate, up, a, n, act.alpha, act.limit);
+  else if (act.kind == 1)
     gelu_tanh_mul(gate, up, a, n);
   else
     silu_mul(gate, up, a, n);

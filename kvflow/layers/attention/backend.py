@@ -35,9 +35,11 @@ class AttentionBackend(Protocol):
         scale: float,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """window > 0: a sliding-window layer (each query sees its last `window` positions); softcap > 0:
-        scores capped as softcap * tanh(score / softcap)."""
+        scores capped as softcap * tanh(score / softcap); sinks [Hq]: each head's logit that joins the
+        softmax's denominator and adds no value (gpt-oss)."""
         ...
 
 
@@ -49,15 +51,15 @@ class ReferenceBackend:
     def build_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
         return meta
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, window=0, softcap=0.0):  # noqa: D102 - see AttentionBackend
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, window=0, softcap=0.0, sinks=None):  # noqa: D102 - see AttentionBackend
         starts = meta.query_start_loc.tolist()
         if k_cache is None or meta.slot_mapping is None:  # no cache bound, or a one-shot forward
             out = torch.empty_like(q)
             for b in range(meta.num_seqs):
                 s, e = starts[b], starts[b + 1]
-                out[s:e] = reference.causal_attention(q[s:e], k[s:e], v[s:e], scale, window, softcap)
+                out[s:e] = reference.causal_attention(q[s:e], k[s:e], v[s:e], scale, window, softcap, sinks)
             return out
         reference.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return reference.paged_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens_cpu, starts, scale, window, softcap
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens_cpu, starts, scale, window, softcap, sinks
         )

@@ -46,10 +46,11 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0,
-                     softcap: float = 0.0) -> torch.Tensor:
+                     softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One sequence: q [Lq, Hq, D] are the last Lq positions of k/v [Lk, Hkv, D]; grouped-query aware.
     window > 0: each query sees its last `window` positions only; softcap > 0: scores are capped as
-    softcap * tanh(score / softcap) before the mask (Gemma 2)."""
+    softcap * tanh(score / softcap) before the mask (Gemma 2); sinks [Hq]: one more logit per head in the
+    softmax, whose probability is dropped (gpt-oss: a head may attend to nothing)."""
     lq, hq, _ = q.shape
     lk, hkv, _ = k.shape
     group = hq // hkv
@@ -60,7 +61,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     if softcap > 0:
         scores = soft_cap(scores, softcap)
     scores = scores.masked_fill(~visible(lq, lk, window, q.device), float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), vf)  # [Hq, Lq, D]
+    if sinks is not None:
+        scores = torch.cat((scores, sinks.float()[:, None, None].expand(hq, lq, 1)), dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs[..., :lk] if sinks is not None else probs, vf)  # [Hq, Lq, D]
     return out.transpose(0, 1).to(q.dtype)
 
 
@@ -82,6 +86,7 @@ def paged_attention(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention for a flat batch whose K/V (this step's included) already sit in the paged cache."""
     out = torch.empty_like(q)
@@ -91,5 +96,5 @@ def paged_attention(
             continue
         k = gather_kv(k_cache, block_tables[b], seq_len)
         v = gather_kv(v_cache, block_tables[b], seq_len)
-        out[start:end] = causal_attention(q[start:end], k, v, scale, window, softcap)
+        out[start:end] = causal_attention(q[start:end], k, v, scale, window, softcap, sinks)
     return out

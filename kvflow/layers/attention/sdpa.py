@@ -41,15 +41,17 @@ def _single_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     return out.reshape(1, -1, d)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int, softcap: float):
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int, softcap: float,
+            sinks: torch.Tensor | None = None):
     """One sequence's Lq queries, the last of its Lk positions in k/v: causal, within a sliding window if
-    given, with capped scores if given (PyTorch's fused kernels cap nothing: those run in plain float32)."""
+    given, with capped scores or sinks if given (PyTorch's fused kernels take neither: those run in plain
+    float32)."""
     lq, lk = q.shape[0], k.shape[0]
     if window > 0 and lk > window:  # nothing before the first query's window is seen: leave it out
         first = max(0, lk - lq - window + 1)
         k, v, lk = k[first:], v[first:], lk - first
-    if softcap > 0:
-        return reference.causal_attention(q, k, v, scale, window, softcap)
+    if softcap > 0 or sinks is not None:
+        return reference.causal_attention(q, k, v, scale, window, softcap, sinks)
     if lq == lk and (window == 0 or lk <= window):
         return _sdpa(q, k, v, scale, causal=lq > 1)
     mask = None if lq == 1 and (window == 0 or lk <= window) else reference.visible(lq, lk, window, q.device)
@@ -105,7 +107,7 @@ class SDPABackend:
         return SDPAMetadata(meta, step)
 
     def forward(self, q, k, v, k_cache, v_cache, built: SDPAMetadata, scale: float, window: int = 0,
-                softcap: float = 0.0) -> torch.Tensor:
+                softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         meta = built.common
         if meta.slot_mapping is None:  # a one-shot forward (scoring, parity checks): leave the cache alone
             k_cache = v_cache = None
@@ -114,15 +116,17 @@ class SDPABackend:
         if k_cache is not None and built.kernel_step is not None and paged_attention.supports(q, k, v, k_cache):
             # C++ kernel: stores every new k/v and attends for every one-token query, whatever else the
             # step holds, so a decode token's rounding never depends on its batch.
-            layer = paged_attention.layer_struct(k_cache, v_cache, q.shape[1], scale, window, softcap)
-            paged_attention.store_and_attend(layer, built.kernel_step, q, k, v, out, all_rows=self.exact)
-            if meta.is_decode_only or self.exact:
+            layer = paged_attention.layer_struct(k_cache, v_cache, q.shape[1], scale, window, softcap, sinks)
+            # PyTorch's flash kernel has no sinks: their layers' prompt rows go through the kernel too.
+            every_row = self.exact or sinks is not None
+            paged_attention.store_and_attend(layer, built.kernel_step, q, k, v, out, all_rows=every_row)
+            if meta.is_decode_only or every_row:
                 return out
             decode_rows_done = True
         elif k_cache is not None:
             reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            if (meta.is_decode_only and meta.num_seqs > 1 and _padding_is_cheap(meta) and not (window or softcap)
-                    and not kv_int8.is_int8(k_cache)):
+            if (meta.is_decode_only and meta.num_seqs > 1 and _padding_is_cheap(meta)
+                    and not (window or softcap or sinks is not None) and not kv_int8.is_int8(k_cache)):
                 return self._batched_decode(q, k_cache, v_cache, meta, scale)
         start = 0
         for b, (lq, lk) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
@@ -141,7 +145,7 @@ class SDPABackend:
             else:
                 kb, vb = _context(k_cache, v_cache, meta, b, lk)
                 kb, vb = kb.to(q.dtype), vb.to(q.dtype)  # a cache may be stored narrower (kv_cache_dtype)
-            out[start:end] = _attend(q[start:end], kb, vb, scale, window, softcap)
+            out[start:end] = _attend(q[start:end], kb, vb, scale, window, softcap, sinks)
             start = end
         return out
 

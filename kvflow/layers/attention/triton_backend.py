@@ -46,9 +46,10 @@ class TritonBackend:
         scale: float,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if window or softcap:  # the executor picks SDPA for such models (executors/layers.choose_backend)
-            raise NotImplementedError("the Triton kernels have no sliding window or soft-capping yet")
+        if window or softcap or sinks is not None:  # the executor picks SDPA for such models (choose_backend)
+            raise NotImplementedError("the Triton kernels have no sliding window, soft-capping or sinks yet")
         if k_cache is None or meta.slot_mapping is None:  # no cache bound, or a one-shot forward
             return self._no_cache.forward(q, k, v, None, None, self._no_cache.build_metadata(meta), scale)
         kernels = self._kernels
