@@ -31,8 +31,8 @@ class CpuFastExecutor(LayersExecutor):
         self.eight_bit_prompt_min_rows = ROW_THRESHOLDS.eight_bit_prompt_min_rows
         # Prompt chunks' attention on AMX tiles (csrc/prefill_attention_amx.cpp takes head sizes 64 and 128).
         head_dim = loaded.arch.head_dim
-        windowed = any(a.window or a.softcap or a.sinks is not None for a in self.model.attention_layers)  # not on tiles
-        self.prompt_tiles = (loaded.plan.cpu_tier == "amx" and head_dim in (64, 128) and not windowed
+        plain = all(a.plain_softmax for a in self.model.attention_layers)  # windows, caps, sinks: not on tiles
+        self.prompt_tiles = (loaded.plan.cpu_tier == "amx" and head_dim in (64, 128) and plain
                              and kv_caches[0][0].dtype != torch.int8  # the tiles read 16- and 32-bit caches
                              and abi.native() is not None and abi.native().kvflow_packed_matmul_path() == 5)
         self._matmul = abi.KvflowDenseMatmul(self._dense_matmul)  # kept alive: C holds its address

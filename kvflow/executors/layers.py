@@ -34,7 +34,7 @@ class LayersExecutor:
         self.model = loaded.model
         self.vocab_size = loaded.arch.vocab_size
         self.kv_caches = kv_caches
-        windowed = any(layer.window or layer.softcap or layer.sinks is not None for layer in self.model.attention_layers)
+        windowed = not all(layer.plain_softmax for layer in self.model.attention_layers)
         self.backend = choose_backend(loaded.device, attention_backend, exact=loaded.plan.batch_invariant,
                                       windowed=windowed)
         self.hidden_states: Callable = loaded.compiled or self.model.hidden_states

@@ -49,6 +49,12 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None  # bound by the model runner
         self.v_cache: torch.Tensor | None = None
 
+    @property
+    def plain_softmax(self) -> bool:
+        """Whether every score goes into one causal softmax as it is: no window, cap or sinks (which some
+        kernels, Triton's and the AMX tiles', do not take)."""
+        return not (self.window or self.softcap or self.sinks is not None)
+
     def forward(self, x: torch.Tensor, cos_sin: tuple) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
