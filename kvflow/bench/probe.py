@@ -12,12 +12,13 @@ Saved format (``kind: "probe"``)::
     {"kind": "probe", "device": "cpu", "quick": false,
      "machine": {"cpu_model", "cpu_tier", "logical_cores", "usable_cores", "torch_version", "date",
                  "platform", "gpu"?},
-     "results": [{"threads": 1, "copy_dram_gb_s", "copy_cache_gb_s", "matmul_f32_tflop_s",
+     "results": [{"threads": 1, "read_dram_gb_s", "copy_dram_gb_s", "copy_cache_gb_s", "matmul_f32_tflop_s",
                   "matmul_bf16_tflop_s" (None where bfloat16 is not native), "matmul_packed_tflop_s"
                   (None without the kernels or on CUDA)}, ...],
      "sizes": {"dram_bytes", "cache_bytes", "matmul_n"}}
 
-Bandwidth counts bytes read plus bytes written (a copy of N bytes moves 2N).
+Copy bandwidth counts bytes read plus bytes written (a copy of N bytes moves 2N); read bandwidth (a sum over
+the array) the bytes read, and is the decode roofline's (`bandwidth_bytes_per_s`).
 """
 
 from __future__ import annotations
@@ -115,6 +116,15 @@ def copy_bandwidth(nbytes: int, device: str = "cpu", reps: int = 5, warmup: int 
     return 2 * n * 4 / seconds
 
 
+def read_bandwidth(nbytes: int, device: str = "cpu", reps: int = 5, warmup: int = 2) -> float:
+    """Bytes/s of a float32 sum over an ``nbytes`` array: a read stream with no writes, which is what a
+    decode step's weights are (a copy's writes cost more than its count of them, and under-reads it)."""
+    dev = torch.device(device)
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
+    seconds = _median_seconds(lambda: src.sum(), dev, reps, warmup)
+    return nbytes // 4 * 4 / seconds
+
+
 def matmul_rate(n: int, dtype: torch.dtype, device: str = "cpu", reps: int = 5, warmup: int = 2) -> float:
     """FLOP/s of an n x n x n matmul (2 n^3 FLOPs) in ``dtype``."""
     dev = torch.device(device)
@@ -149,7 +159,7 @@ def run_probe(
     quick: bool = False,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Measure copy bandwidth (DRAM-sized and cache-sized) and matmul rates for each thread count.
+    """Measure read and copy bandwidth (DRAM-sized; copy cache-sized too) and matmul rates for each thread count.
 
     ``quick`` uses small arrays and few repetitions: for tests, not for numbers.
     """
@@ -169,6 +179,7 @@ def run_probe(
             packed = None if is_cuda else packed_rate(64 if quick else 512, reps, warmup)
             row = {
                 "threads": t,
+                "read_dram_gb_s": read_bandwidth(dram, device, reps, warmup) / 1e9,
                 "copy_dram_gb_s": copy_bandwidth(dram, device, reps, warmup) / 1e9,
                 "copy_cache_gb_s": copy_bandwidth(cache, device, reps * 4, warmup) / 1e9,
                 "matmul_f32_tflop_s": matmul_rate(mm_n, torch.float32, device, reps, warmup) / 1e12,
@@ -194,7 +205,8 @@ def format_row(row: dict[str, Any]) -> str:
         return "      -" if value is None else f"{value:7.3f}"
 
     return (
-        f"threads={row['threads']:>3}  copy(DRAM) {row['copy_dram_gb_s']:7.2f} GB/s  "
+        f"threads={row['threads']:>3}  read(DRAM) {row.get('read_dram_gb_s') or 0:7.2f} GB/s  "
+        f"copy(DRAM) {row['copy_dram_gb_s']:7.2f} GB/s  "
         f"copy(cache) {row['copy_cache_gb_s']:7.2f} GB/s  "
         f"matmul f32 {rate('matmul_f32_tflop_s')}  bf16 {rate('matmul_bf16_tflop_s')}  "
         f"packed {rate('matmul_packed_tflop_s')} TFLOP/s"
@@ -227,8 +239,12 @@ def _row_for(probe: dict[str, Any], threads: int | None) -> dict[str, Any]:
 
 
 def bandwidth_bytes_per_s(probe: dict[str, Any], threads: int | None = None, cache: bool = False) -> float:
-    """Copy bandwidth in bytes/s at ``threads`` (default: the largest thread count probed)."""
+    """The bandwidth a decode step streams its weights at, in bytes/s at ``threads`` (default: the largest
+    thread count probed): DRAM's read rate where the probe measured it (probes before 2026-12-04 did
+    not: their copy rate, which under-reads it), or the copy rate of a cache-sized array (cache)."""
     row = _row_for(probe, threads)
+    if not cache and row.get("read_dram_gb_s"):
+        return row["read_dram_gb_s"] * 1e9
     return row["copy_cache_gb_s" if cache else "copy_dram_gb_s"] * 1e9
 
 

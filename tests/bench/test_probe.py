@@ -20,7 +20,7 @@ def test_quick_probe_measures_positive_rates_and_restores_threads(tmp_path):
     (row,) = result["results"]
     assert row["threads"] == 1
     # Loose sanity bounds: any machine moves more than 0.1 GB/s and less than 10 TB/s.
-    for key in ("copy_dram_gb_s", "copy_cache_gb_s"):
+    for key in ("read_dram_gb_s", "copy_dram_gb_s", "copy_cache_gb_s"):
         assert 0.1 < row[key] < 10_000
     assert info["cpu_tier"] == cpu_features.isa_tier()
     assert 1e-5 < row["matmul_f32_tflop_s"] < 10_000
@@ -74,6 +74,10 @@ def test_save_and_load_round_trip(tmp_path, monkeypatch):
     assert probe.matmul_flop_per_s(data, "f32", threads=1) == pytest.approx(0.15e12)
     with pytest.raises(KeyError):
         probe.bandwidth_bytes_per_s(data, threads=4)
+    # A probe that measured DRAM's read rate: the decode roofline takes it (a copy's rate under-reads it).
+    data["results"][1]["read_dram_gb_s"] = 21.0
+    assert probe.bandwidth_bytes_per_s(data) == 21e9
+    assert probe.bandwidth_bytes_per_s(data, cache=True) == 50e9
 
 
 # Runs on the GPU machine (benchmarks/gpu_check.sh); CPU-only CI has nothing to measure here.
