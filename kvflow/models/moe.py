@@ -1,5 +1,6 @@
-"""Mixture-of-experts MLPs (Mixtral, Qwen3-MoE): a router picks each token's top experts, and the token's
-MLP output is their outputs weighted by the router's probabilities.
+"""Mixture-of-experts MLPs (Mixtral, Qwen3-MoE, gpt-oss): a router picks each token's top experts, and the
+token's MLP output is their outputs weighted by the router's probabilities. gpt-oss's router and experts
+have biases (ArchConfig.router_bias, expert_bias).
 
 Each expert is a gated MLP of its own (models/llama.MLP), so expert weights load, pack and run like any
 other layer's. A step runs each expert once, on the rows routed to it: decode reads only the experts its
