@@ -66,7 +66,7 @@ def _moe_unsupported(moe: SparseMoE) -> str | None:
         return "some experts are not packed (PackedLinear)"
     if len({p.bias is None for p in experts}) > 1:
         return "some experts have biases and some not"
-    biases = [p.bias for p in experts if p.bias is not None] + [moe.gate.bias] * (moe.gate.bias is not None)
+    biases = [p.bias for p in (*experts, moe.gate) if p.bias is not None]
     if any(b.dtype != torch.float32 for b in biases):
         return "expert or router biases are not float32"
     if not isinstance(moe.gate, PackedLinear) and moe.gate.weight.dtype != torch.float32:

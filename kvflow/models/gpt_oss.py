@@ -72,7 +72,7 @@ def _per_expert(prefix: str, kind: str, stacked: torch.Tensor, rows_out: bool,
     if kind not in ("gate_up_proj", "down_proj"):
         raise KeyError(f"checkpoint tensor {prefix}.mlp.experts.{kind} has no place in gpt-oss")
     for e in range(stacked.shape[0]):
-        t = stacked[e] if rows_out or part == "bias" else stacked[e].transpose(0, 1)
+        t = stacked[e] if rows_out else stacked[e].transpose(0, 1)
         base = f"{prefix}.mlp.experts.{e}"
         if kind == "down_proj":
             yield f"{base}.down_proj.{part}", t.contiguous()

@@ -19,7 +19,7 @@ from kvflow.server.harmony import (
     START,
     TURN_ENDS,
 )
-from kvflow.structured.compiler import lark_json
+from kvflow.structured.compiler import lark_body, lark_json
 from kvflow.structured.spec import StructuredOutput
 
 
@@ -98,18 +98,7 @@ def harmony_grammar(ids: dict[str, int], tools: list[Tool] | None = None,
         rules.append(f'call{i}: {tag(CHANNEL)} {head} {tag(CONSTRAIN)} "json" {tag(MESSAGE)} {lark_json(schema)}')
         choices.append(f"call{i}")
     if answer is not None:
-        rules.append(f'final: {tag(CHANNEL)} "final" {tag(MESSAGE)} {_answer_rule(answer)}')
+        rules.append(f'final: {tag(CHANNEL)} "final" {tag(MESSAGE)} {lark_body(answer)}')
         choices.append("final")
     # JSON near the budget is not steered to close: quotes in the thinking would mislead it.
     return StructuredOutput(grammar="\n".join([f"start: think* ({' | '.join(choices)})", *rules]))
-
-
-def _answer_rule(spec: StructuredOutput) -> str:
-    """The final message's body rule for a JSON schema, a regex or a choice."""
-    if spec.json is not None:
-        return lark_json(spec.json)
-    if spec.regex is not None:
-        return "/" + spec.regex.replace("/", "\\/") + "/"
-    if spec.choice is not None:
-        return "(" + " | ".join(json.dumps(c) for c in spec.choice) + ")"
-    raise ValueError("a Lark grammar is not put inside a harmony message")

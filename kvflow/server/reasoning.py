@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 
 from kvflow.server.tool_calls import _partial_suffix
-from kvflow.structured.compiler import lark_json
+from kvflow.structured.compiler import lark_body
 from kvflow.structured.spec import StructuredOutput
 
 OPEN, CLOSE = "<think>", "</think>"
@@ -96,17 +96,7 @@ def after_thinking(spec: StructuredOutput, mode: str) -> StructuredOutput:
     """spec applied to the answer after the think block; the thinking itself is free text. (No wrapping up
     near the budget: quotes in the thinking would mislead the JSON string state.) A user's Lark grammar is
     left as it is: it applies from the first token."""
-    think = think_rule(mode)
-    if spec.json is not None:
-        answer = "answer: " + lark_json(spec.json)
-    elif spec.regex is not None:
-        answer = "answer: " + _lark_regex(spec.regex)
-    elif spec.choice is not None:
-        answer = "answer: " + " | ".join(json.dumps(c) for c in spec.choice)
-    else:
+    answer = lark_body(spec)
+    if answer is None:
         return spec
-    return StructuredOutput(grammar=f"start: think answer\n{think}\n{answer}")
-
-
-def _lark_regex(regex: str) -> str:
-    return "/" + regex.replace("/", "\\/") + "/"
+    return StructuredOutput(grammar=f"start: think answer\n{think_rule(mode)}\nanswer: {answer}")

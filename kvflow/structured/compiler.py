@@ -32,6 +32,18 @@ def lark_json(schema) -> str:
     return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS}, ensure_ascii=False)
 
 
+def lark_body(spec: StructuredOutput) -> str | None:
+    """A Lark rule body for spec's JSON schema, regex or choice, to sit inside a larger grammar (after a
+    think block, inside a harmony message); None for a Lark grammar, which applies from the first token."""
+    if spec.json is not None:
+        return lark_json(spec.json)
+    if spec.regex is not None:
+        return "/" + spec.regex.replace("/", "\\/") + "/"
+    if spec.choice is not None:
+        return "(" + " | ".join(json.dumps(c) for c in spec.choice) + ")"
+    return None
+
+
 class GrammarError(ValueError):
     """A constraint that cannot be compiled (a bad schema, an unsupported keyword, a bad regex)."""
 

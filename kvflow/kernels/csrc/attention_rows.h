@@ -109,6 +109,7 @@ struct Shape {
   int window;     // > 0: a row sees its last `window` positions only
   float softcap;  // > 0: scores become softcap * tanh(score / softcap)
   bool head_major;  // a block is [kv_heads, block_size, row]; else [block_size, kv_heads, row] (kvflow_cpu.h)
+  const float* sinks;  // per query head, a logit in each row's softmax denominator (gpt-oss), or null
 };
 
 // Where a KV head's row of a position sits, in T elements (cache_layout.h): the row at (block, within,

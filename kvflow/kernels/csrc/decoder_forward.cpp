@@ -41,8 +41,7 @@ void finish_qkv(const KvflowDecoder& m, const KvflowDecoderLayer& layer, const S
                 int64_t position) {
   if constexpr (!std::is_same_v<In, float>)
     for (int j = 0; j < s.qkv_size; ++j) row[j] = kvflow::bf16_to_float(src[j]);
-  if (layer.qkv_bias)
-    for (int j = 0; j < s.qkv_size; ++j) row[j] += layer.qkv_bias[j];
+  if (layer.qkv_bias) kvflow::add_bias(row, layer.qkv_bias, s.qkv_size);
   if (layer.q_norm) {
     kvflow::rms_norm(row, layer.q_norm, row, s.hq, s.d, m.eps);
     kvflow::rms_norm(row + s.q_size, layer.k_norm, row + s.q_size, s.hkv, s.d, m.eps);
@@ -141,8 +140,7 @@ int packed_layers(const KvflowDecoder& m, const KvflowStep* steps, const int64_t
     if (kvflow_packed_matmul(&layer.o, b.attn.data(), s.q_size, rows, b.proj.data(), s.h, bits, threads)) return -1;
     if (layer.o_bias)
       each_row(rows, threads, [&](int r) {
-        float* row = b.proj.data() + static_cast<int64_t>(r) * s.h;
-        for (int j = 0; j < s.h; ++j) row[j] += layer.o_bias[j];
+        kvflow::add_bias(b.proj.data() + static_cast<int64_t>(r) * s.h, layer.o_bias, s.h);
       });
     norm_outputs(layer.attn_out_norm);
     add_norm(b.proj.data(), layer.post_norm);

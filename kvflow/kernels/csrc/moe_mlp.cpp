@@ -59,11 +59,6 @@ void route_row(const KvflowMoE& moe, const double* logits, int* experts, float* 
   }
 }
 
-// y[j] += bias[j]: an expert's bias on its output row, in float32 as PackedLinear adds it.
-void add_row(float* y, const float* bias, int n) {
-  for (int j = 0; j < n; ++j) y[j] += bias[j];
-}
-
 struct MoeBuffers {
   std::vector<float> logits_f, gathered, gate_up, act, down, pair_weight;
   std::vector<double> logits;
@@ -151,7 +146,7 @@ int moe_mlp(const KvflowMoE& moe, const Activation& act, const float* x, int hid
   if (rc) return -1;
   each_row(static_cast<int>(n_pairs), threads, [&](int p) {
     float* gu = b.gate_up.data() + static_cast<int64_t>(p) * 2 * inter;
-    if (moe.gate_up_bias) add_row(gu, moe.gate_up_bias + static_cast<int64_t>(b.pair_expert[p]) * 2 * inter, 2 * inter);
+    if (moe.gate_up_bias) add_bias(gu, moe.gate_up_bias + static_cast<int64_t>(b.pair_expert[p]) * 2 * inter, 2 * inter);
     gated_activation(act, gu, gu + inter, b.act.data() + static_cast<int64_t>(p) * inter, inter);
   });
   if (kvflow_packed_matmul_many(b.down_w.data(), used, rows == 1 ? nullptr : b.rows_of.data(), b.act.data(), inter,
@@ -162,7 +157,7 @@ int moe_mlp(const KvflowMoE& moe, const Activation& act, const float* x, int hid
   for (size_t p = 0; p < n_pairs; ++p) {  // ascending expert, so each row sums its experts in that order
     float* o = out + static_cast<int64_t>(b.pair_row[p]) * hidden;
     float* d = b.down.data() + static_cast<int64_t>(p) * hidden;
-    if (moe.down_bias) add_row(d, moe.down_bias + static_cast<int64_t>(b.pair_expert[p]) * hidden, hidden);
+    if (moe.down_bias) add_bias(d, moe.down_bias + static_cast<int64_t>(b.pair_expert[p]) * hidden, hidden);
     const float w = b.pair_weight[p];
     int j = 0;
     for (; j + v::kLanes <= hidden; j += v::kLanes)

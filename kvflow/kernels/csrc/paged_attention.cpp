@@ -55,7 +55,7 @@ void merge_chunks(const float* part_max, const float* part_sum, const float* par
 
 template <typename T>
 void run(const KvflowRows& in, T* k_cache, T* v_cache, const KvflowStep& step, float* out, int64_t out_stride,
-         const Shape& s, const float* sinks, int all_rows, int num_threads) {
+         const Shape& s, int all_rows, int num_threads) {
   const float *q = in.q, *k_new = in.k, *v_new = in.v;
   const int64_t q_stride = in.q_stride, k_stride = in.k_stride, v_stride = in.v_stride;
   const int64_t* slots = step.slots;
@@ -169,7 +169,7 @@ void run(const KvflowRows& in, T* k_cache, T* v_cache, const KvflowStep& step, f
     workers.for_static(num_rows * hq, [&](int unit) {
       const int i = unit / hq, h = unit % hq;
       merge_chunks(max_at, sum_at, acc_at, first_chunk_at[i], first_chunk_at[i + 1], hq, h, d,
-                   sinks ? sinks[h] : -INFINITY, weights, out + rows_at[i].out_row * out_stride + h * d);
+                   s.sinks ? s.sinks[h] : -INFINITY, weights, out + rows_at[i].out_row * out_stride + h * d);
     });
   });
 }
@@ -182,18 +182,18 @@ extern "C" int32_t kvflow_paged_attention(const KvflowAttention* layer, const Kv
   const KvflowAttention& a = *layer;
   if (a.num_kv_heads < 1 || a.num_heads % a.num_kv_heads) return -1;
   const Shape s{a.num_kv_heads, a.head_dim, a.block_size, a.num_heads / a.num_kv_heads, step->table_stride,
-                a.scale, a.window, a.softcap, a.head_major != 0};
+                a.scale, a.window, a.softcap, a.head_major != 0, a.sinks};
   if (a.cache_dtype == 0)
-    run(*rows, static_cast<float*>(a.k_cache), static_cast<float*>(a.v_cache), *step, out, out_stride, s, a.sinks, all_rows,
+    run(*rows, static_cast<float*>(a.k_cache), static_cast<float*>(a.v_cache), *step, out, out_stride, s, all_rows,
         num_threads);
   else if (a.cache_dtype == 1)
     run(*rows, static_cast<uint16_t*>(a.k_cache), static_cast<uint16_t*>(a.v_cache), *step, out, out_stride, s,
-        a.sinks, all_rows, num_threads);
+        all_rows, num_threads);
   else if (a.cache_dtype == 2)
     run(*rows, static_cast<kvflow::float16*>(a.k_cache), static_cast<kvflow::float16*>(a.v_cache), *step, out, out_stride, s,
-        a.sinks, all_rows, num_threads);
+        all_rows, num_threads);
   else if (a.cache_dtype == 3)  // 8-bit values with a float32 scale per token and KV head (attention_rows.h)
-    run(*rows, static_cast<int8_t*>(a.k_cache), static_cast<int8_t*>(a.v_cache), *step, out, out_stride, s, a.sinks, all_rows,
+    run(*rows, static_cast<int8_t*>(a.k_cache), static_cast<int8_t*>(a.v_cache), *step, out, out_stride, s, all_rows,
         num_threads);
   else
     return -1;

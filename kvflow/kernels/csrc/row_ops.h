@@ -34,6 +34,11 @@ inline void rms_norm(const float* x, const float* weight, float* y, int rows, in
   }
 }
 
+// y[j] += bias[j] over one row (a projection's bias, added in float32 as PyTorch's layers add it).
+inline void add_bias(float* y, const float* bias, int n) {
+  for (int j = 0; j < n; ++j) y[j] += bias[j];
+}
+
 // Rotate-half (NeoX) rotary embedding of `heads` heads of size d at one position, in place.
 inline void rotate(float* x, int heads, int d, const float* cos, const float* sin) {
   const int half = d / 2;

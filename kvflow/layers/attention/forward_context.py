@@ -55,13 +55,10 @@ def current() -> ForwardContext:
 def run_attention(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Store k/v in the layer's cache and attend; the eager path and the custom op's body."""
     meta = current().metadata_for(layer.backend, layer.kv_group)
-    if layer.sinks is not None:  # only these layers pass them: backends without them still serve the rest
-        return layer.backend.forward(q, k, v, layer.k_cache, layer.v_cache, meta, layer.scale, window=layer.window,
-                                     softcap=layer.softcap, sinks=layer.sinks)
-    if layer.window or layer.softcap:
-        return layer.backend.forward(q, k, v, layer.k_cache, layer.v_cache, meta, layer.scale, window=layer.window,
-                                     softcap=layer.softcap)
-    return layer.backend.forward(q, k, v, layer.k_cache, layer.v_cache, meta, layer.scale)
+    if layer.plain_softmax:  # only the other layers pass window, cap and sinks: backends without them serve these
+        return layer.backend.forward(q, k, v, layer.k_cache, layer.v_cache, meta, layer.scale)
+    return layer.backend.forward(q, k, v, layer.k_cache, layer.v_cache, meta, layer.scale, window=layer.window,
+                                 softcap=layer.softcap, sinks=layer.sinks)
 
 
 @torch.library.custom_op("kvflow::attention", mutates_args=())
