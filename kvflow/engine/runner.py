@@ -67,7 +67,8 @@ class StepLogits:
 
     @property
     def sampled(self) -> torch.Tensor:
-        return self.logits[: len(self.sample_request_ids)]
+        n = len(self.sample_request_ids)
+        return self.logits if self.logits.shape[0] == n else self.logits[:n]
 
 
 class ModelRunner:
@@ -131,9 +132,10 @@ class ModelRunner:
         return self.num_blocks * self.block_size
 
     def prepare(self, scheduled) -> StepInputs:
+        # Plain lists, one tensor each at the end: a decode step's few numbers cost more as arrays.
         tokens: list[int] = []
-        positions = []
-        query_lens, seq_lens, logits_indices, sample_ids = [], [], [], []
+        positions: list[int] = []
+        query_starts, seq_lens, logits_indices, sample_ids = [0], [], [], []
         prompt_rows: list[int] = []
         spans: list[PromptSpan] = []
         for seq in scheduled:
@@ -145,8 +147,8 @@ class ModelRunner:
                     prompt_rows.extend(range(len(tokens) + first - start, len(tokens) + end - start))
                     spans.append(PromptSpan(req.request_id, first, end - first))
             tokens.extend(seq.token_ids if seq.draft_token_ids else req.all_token_ids[start : start + n])
-            positions.append(np.arange(start, start + n))
-            query_lens.append(n)
+            positions.extend(range(start, start + n))
+            query_starts.append(query_starts[-1] + n)
             seq_lens.append(start + n)
             if seq.sample:
                 # A verify step samples its last known position and every draft's: one row each, in order.
@@ -154,18 +156,16 @@ class ModelRunner:
                 logits_indices.extend(range(len(tokens) - rows, len(tokens)))
                 sample_ids.extend([req.request_id] * rows)
         logits_indices += prompt_rows
-        starts = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
         dev = self.device
-        common = dict(query_start_loc=torch.from_numpy(starts).to(dev),
+        common = dict(query_start_loc=torch.tensor(query_starts, dtype=torch.int32, device=dev),
                       seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-                      query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
-        metas = [AttentionMetadata(**common, **self._cache_places(scheduled, positions, g))
-                 for g in range(len(self.group_windows))]
+                      query_lens_cpu=[seq.num_tokens for seq in scheduled], seq_lens_cpu=seq_lens)
+        metas = [AttentionMetadata(**common, **self._cache_places(scheduled, g)) for g in range(len(self.group_windows))]
         meta = metas[0]
         meta.group_metas = metas[1:]
         return StepInputs(
             input_ids=torch.tensor(tokens, dtype=torch.long, device=dev),
-            positions=torch.from_numpy(np.concatenate(positions)).to(dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
             meta=meta,
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
             sample_request_ids=sample_ids,
@@ -174,23 +174,23 @@ class ModelRunner:
             num_decode_rows=sum(seq.num_tokens - len(seq.draft_token_ids) == 1 for seq in scheduled),
         )
 
-    def _cache_places(self, scheduled, positions: list[np.ndarray], group: int) -> dict:
-        """Slots, block tables and contiguous first blocks of the step's sequences in one KV group."""
+    def _cache_places(self, scheduled, group: int) -> dict:
+        """Slots and block tables of the step's sequences in one KV group."""
         bs = self.block_size
-        slots, tables, first_blocks = [], [], []
-        for seq, pos in zip(scheduled, positions):
-            table = np.asarray(seq.block_ids if group == 0 else seq.other_block_ids[group - 1], dtype=np.int64)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            tables.append(table)
-            consecutive = len(table) > 0 and int(table[-1]) - int(table[0]) == len(table) - 1
-            first_blocks.append(int(table[0]) if consecutive and bool(np.all(np.diff(table) == 1)) else -1)
-        width = max((len(t) for t in tables), default=1)
-        table_arr = np.zeros((len(tables), max(width, 1)), dtype=np.int32)
+        slots: list[int] = []
+        tables = [seq.block_ids if group == 0 else seq.other_block_ids[group - 1] for seq in scheduled]
+        for seq, table in zip(scheduled, tables):
+            if seq.num_tokens == 1:  # a decode: one slot
+                slots.append(table[seq.start // bs] * bs + seq.start % bs)
+            else:
+                pos = np.arange(seq.start, seq.start + seq.num_tokens)
+                slots.extend((np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs).tolist())
+        table_arr = np.zeros((len(tables), max(max(map(len, tables), default=1), 1)), dtype=np.int32)
         for i, t in enumerate(tables):
             table_arr[i, : len(t)] = t
         dev = self.device
-        return dict(slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-                    block_tables=torch.from_numpy(table_arr).to(dev), contiguous_first_block=first_blocks)
+        return dict(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+                    block_tables=torch.from_numpy(table_arr).to(dev), host_block_tables=tables)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write for forked sequences: duplicate a partly filled block before anyone writes to it."""

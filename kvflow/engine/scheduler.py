@@ -195,7 +195,7 @@ class Scheduler:
         out = SchedulerOutput(finished_request_ids=self._finished_ids, block_copies=self._pending_copies)
         self._finished_ids, self._pending_copies = [], []
         budget = self.config.max_num_batched_tokens
-        self.step_budget.start_step(self.running)
+        self.step_budget.start_step(self.running, bool(self.waiting))
         budget = self._schedule_running(out, budget)
         # After a preemption the pool is short: admitting new work now would only cause more of it.
         if not out.preempted_request_ids:

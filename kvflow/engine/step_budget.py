@@ -9,8 +9,9 @@ take milliseconds. So step times are predicted from what the engine has run:
 - a prompt chunk: per row, per position its rows attend, and per position before it (its sequence's K/V,
   read once per chunk), fitted on what each step with prompt rows took beyond its decode part.
 The prompt's share is a token bucket of time. Each step with decoders adds (max_decode_slowdown - 1) times
-its decode time, up to one step's room (max_step_ms, or max_decode_slowdown times the decode time if more,
-less the decode time). A chunk is taken only as a whole step's room (or the prompt's whole rest) once the
+its decode time (predicted where a prompt is in view; else what the step took, since nothing is planned
+then), up to one step's room (max_step_ms, or max_decode_slowdown times the decode time if more, less the
+decode time). A chunk is taken only as a whole step's room (or the prompt's whole rest) once the
 bucket holds it, and what it then took beyond its prediction is paid back from the bucket. So a long prompt runs in full chunks between runs of plain decode steps, rather than in thin
 chunks that would re-read its K/V every step. A short prompt after a quiet spell finds the bucket full and
 goes at once. Without decoders, or before any decode-only step has been seen, the token budget alone applies
@@ -215,28 +216,43 @@ class StepBudget:
         self.bucket = math.inf  # prompt time saved up (seconds), at most one step's room
         self._room = math.inf  # this step's room for prompt rows (inf: no bound this step)
         self._charged = 0.0  # this step's prompt rows, as predicted when they were scheduled
+        # Steps that could carry no prompt row are not planned (start_step): predicting their decode part
+        # would refit the decode costs every step, the larger part of a small model's engine time between two
+        # forwards. What their decoders took, times (max_decode_slowdown - 1), waits here for the bucket.
+        self._planned = False
+        self._unplanned_refill = 0.0
 
     # ---- before a step: the scheduler -----------------------------------------------------------------
-    def start_step(self, running: Iterable[Request]) -> None:
-        """Refill the bucket and set this step's room from the sequences about to decode in it."""
-        self.limit_seconds, self._room, self._charged = 0.0, math.inf, 0.0
+    def start_step(self, running: Iterable[Request], prompts_waiting: bool = False) -> None:
+        """Refill the bucket and set this step's room from the sequences about to decode in it. A step that
+        can carry no prompt row (none waiting, none part-way through its prompt) is not planned: nothing
+        would use the room, and the bucket takes what its decoders took once the step is observed."""
+        self.limit_seconds, self._room, self._charged, self._planned = 0.0, math.inf, 0.0, False
         if self.max_decode_slowdown <= 0 or self.decode_costs.steps == 0:
             self.bucket = math.inf
             return
         batch = context = drafts = draft_context = 0
+        prompt_rows = prompts_waiting
         for r in running:
             if r.num_tokens - r.num_computed_tokens == 1:
                 batch += 1
                 context += r.num_tokens
                 drafts += len(r.draft_token_ids)
                 draft_context += len(r.draft_token_ids) * r.num_tokens
+            else:
+                prompt_rows = True
         if batch == 0:
             self.bucket = math.inf
             return
+        if not prompt_rows:
+            return
+        self._planned = True
         decode = self.decode_seconds(batch, context, drafts, draft_context)
         self.limit_seconds = max(self.max_step_seconds, self.max_decode_slowdown * decode)
         self._room = self.limit_seconds - decode
-        self.bucket = min(self.bucket + (self.max_decode_slowdown - 1) * decode, self._room)
+        refill = self._unplanned_refill + (self.max_decode_slowdown - 1) * decode
+        self.bucket = min(self.bucket + refill, self._room)
+        self._unplanned_refill = 0.0
 
     def decode_seconds(self, batch: int, context: int, drafts: int = 0, draft_context: int = 0) -> float:
         """A decode-only step of `batch` sequences over `context` tokens: the median of the last such steps
@@ -287,6 +303,8 @@ class StepBudget:
                 depth += s.start
         if rows == 0:
             self.decode_costs.observe(batch, drafts, seconds, context, draft_context)
+            if not self._planned and batch and math.isfinite(self.bucket):
+                self._unplanned_refill += (self.max_decode_slowdown - 1) * seconds
             if drafts == 0:
                 self._recent.setdefault(batch, deque(maxlen=RECENT_STEPS)).append((seconds, context))
             return

@@ -219,3 +219,30 @@ def test_what_a_chunk_overran_by_comes_out_of_the_bucket():
     budget.observe(out, decode + predicted + 0.020)
     assert budget.bucket == pytest.approx(left - 0.020, abs=1e-3)
     sched.update_from_output(out, {s.request_id: [7] for s in out.scheduled if s.sample})
+
+
+def test_steps_with_no_prompt_in_view_refill_the_bucket_by_what_they_took_without_a_fit():
+    """Decode steps with nothing waiting plan nothing (no fit of the decode costs); each adds
+    (slowdown - 1) times its measured time, and a prompt that then arrives finds that much saved up."""
+    sched = make_scheduler(num_blocks=1024, block_size=16, max_num_batched_tokens=2048)
+    budget = sched.step_budget = budget_with_decodes(2.0)
+    budget.max_step_seconds = 0.050
+    for i in range(8):
+        sched.add_request(make_request(f"d{i}", 90, max_tokens=500, ignore_eos=True))
+    step(sched)
+    budget.bucket = 0.0  # as after a chunk that took it all
+    for _ in range(3):
+        budget.decode_costs._theta = None  # what such a step does not need: a refit
+        out = sched.schedule()
+        assert budget.limit_seconds == 0 and budget.decode_costs._theta is None  # nothing planned
+        budget.observe(out, 0.004)
+        sched.update_from_output(out, {s.request_id: [7] for s in out.scheduled if s.sample})
+    assert budget.bucket == 0.0
+    sched.add_request(make_request("long", 6000, max_tokens=1))
+    out = sched.schedule()
+    decode = budget.decode_seconds(8, sum(r.num_tokens for r in sched.running if r.request_id != "long"))
+    assert budget.limit_seconds == 0.050
+    chunk = next((s for s in out.scheduled if s.request_id == "long"), None)
+    spent = chunk_seconds(chunk.start, chunk.num_tokens) if chunk else 0.0
+    # Three unplanned steps of 4 ms and this step's predicted decode, each times (2 - 1).
+    assert budget.bucket + spent == pytest.approx(3 * 0.004 + decode, rel=0.02)

@@ -24,8 +24,14 @@ constexpr int32_t kMaxInt8 = 127;   // 8-bit inputs: one signed digit
 // and 4 KiB reached 43 to 60 (session 27); where memory is slower, the two are the same.
 constexpr size_t kPrefetchBytes = 4096;
 
-inline void prefetch_ahead(const uint8_t* block, size_t bytes) {  // the bytes kPrefetchBytes past block
-  for (size_t line = 0; line < bytes; line += 64) __builtin_prefetch(block + kPrefetchBytes + line, 0, 3);
+// The bytes kPrefetchBytes past block. stream: no later pass reads them (Rows::stream), so they are asked
+// for non-temporally and do not push out of the caches what stays in use there: the activations, the KV
+// cache, and the engine's own code and data between two steps.
+inline void prefetch_ahead(const uint8_t* block, size_t bytes, bool stream) {
+  if (stream)
+    for (size_t line = 0; line < bytes; line += 64) __builtin_prefetch(block + kPrefetchBytes + line, 0, 0);
+  else
+    for (size_t line = 0; line < bytes; line += 64) __builtin_prefetch(block + kPrefetchBytes + line, 0, 3);
 }
 
 struct Rows {  // the rows' inputs as digits h, l (int8 [m, k]; lo null for 8-bit inputs, a digit h alone) and
@@ -36,9 +42,11 @@ struct Rows {  // the rows' inputs as digits h, l (int8 [m, k]; lo null for 8-bi
   const float* scale;
   const float* sum;
   int64_t blocks;
+  bool stream = false;  // one pass takes every row: each weight byte is read once (prefetch_ahead)
 
   Rows from(int r0) const {  // the rows from r0 on
-    return {hi + r0 * stride, lo ? lo + r0 * stride : nullptr, stride, scale + r0 * blocks, sum + r0 * blocks, blocks};
+    return {hi + r0 * stride, lo ? lo + r0 * stride : nullptr, stride, scale + r0 * blocks, sum + r0 * blocks, blocks,
+            stream};
   }
 };
 
@@ -201,10 +209,12 @@ void run_groups(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const R
                 int64_t ys) {
   constexpr int64_t kGroupsAtOnce = 4;
   constexpr int R = Kernel::kRows;
+  Rows all = rows;
+  all.stream = m <= (rows.lo ? Kernel::kTwoDigitRows : R);
   for (int64_t g0 = g_lo; g0 < g_hi; g0 += kGroupsAtOnce) {
     const int64_t g1 = g0 + kGroupsAtOnce < g_hi ? g0 + kGroupsAtOnce : g_hi;
     for (int r0 = 0; r0 < m; r0 += R)
-      rows_block_for<Kernel, R>(m - r0 >= R ? R : m - r0, w, g0, g1, rows.from(r0), y + r0 * ys, ys);
+      rows_block_for<Kernel, R>(m - r0 >= R ? R : m - r0, w, g0, g1, all.from(r0), y + r0 * ys, ys);
   }
 }
 

@@ -50,7 +50,7 @@ void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, in
     for (int q = 0; q < 4; ++q) acc[r][q] = vdupq_n_f32(0.f);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* block = base + static_cast<size_t>(b) * chunk;
-    prefetch_ahead(block, chunk);
+    prefetch_ahead(block, chunk, rows.stream);
     int32x4_t dot_h[M][4], dot_l[M][4];  // [row][quarter: 4 columns]
     for (int r = 0; r < M; ++r)
       for (int q = 0; q < 4; ++q) dot_h[r][q] = dot_l[r][q] = vdupq_n_s32(0);
@@ -148,6 +148,7 @@ void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, in
 
 struct Neon {
   static constexpr int kRows = 2;
+  static constexpr int kTwoDigitRows = kRows;  // both digits in one pass
   static void quantize_row(const float* x, int64_t k, int block, int8_t* hi, int8_t* lo, float* scale, float* sum) {
     quantize_row_scalar(x, k, block, hi, lo, scale, sum);
   }

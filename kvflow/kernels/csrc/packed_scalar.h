@@ -47,6 +47,7 @@ void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, in
 
 struct Scalar {
   static constexpr int kRows = 4;
+  static constexpr int kTwoDigitRows = kRows;  // both digits in one pass
   static void quantize_row(const float* x, int64_t k, int block, int8_t* hi, int8_t* lo, float* scale, float* sum) {
     quantize_row_scalar(x, k, block, hi, lo, scale, sum);
   }

@@ -137,7 +137,7 @@ void tile_group(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float*
     __m512i sum_hi[M], sum_lo[M];
     for (int r = 0; r < M; ++r) sum_hi[r] = sum_lo[r] = _mm512_setzero_si512();
     const uint8_t* block = base + static_cast<size_t>(b) * chunk;
-    prefetch_ahead(block, chunk);
+    prefetch_ahead(block, chunk, rows.stream);
     auto step = [&](int quad, __m512i codes) {  // codes: 16 columns x inputs 4 quad .. 4 quad + 3
       for (int r = 0; r < M; ++r) {
         sum_hi[r] = _mm512_dpbusd_epi32(sum_hi[r], codes, broadcast4(rows.hi + r * rows.stride + b * Block + 4 * quad));
@@ -188,6 +188,7 @@ void tile_group(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float*
 
 struct Vnni {
   static constexpr int kRows = 8;
+  static constexpr int kTwoDigitRows = 4;  // rows a pass with 16-bit inputs
   static void quantize_row(const float* x, int64_t k, int block, int8_t* hi, int8_t* lo, float* scale, float* sum) {
     (block == kSmallBlock ? vnni::quantize_row<kSmallBlock> : vnni::quantize_row<kBlock>)(x, k, hi, lo, scale, sum);
   }
@@ -198,7 +199,7 @@ struct Vnni {
   static void rows_block(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y,
                          int64_t ys) {
     // Two digits need twice the accumulators: at most four rows a pass in the 32 registers.
-    digit_passes<Vnni, 4, M>(w, g_lo, g_hi, rows, y, ys);
+    digit_passes<Vnni, kTwoDigitRows, M>(w, g_lo, g_hi, rows, y, ys);
   }
   template <int M, bool Two>
   static void blocks(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y,

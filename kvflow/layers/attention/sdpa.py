@@ -60,7 +60,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, win
 
 def _context(k_cache, v_cache, meta: AttentionMetadata, b: int, seq_len: int):
     """Sequence b's first seq_len cached K/V: a slice when its blocks are consecutive, else a gather."""
-    first = meta.contiguous_first_block[b] if meta.contiguous_first_block else -1
+    first = meta.first_block(b)
     if first >= 0:
         n_blocks = (seq_len + k_cache.shape[1] - 1) // k_cache.shape[1]
         k = k_cache[first : first + n_blocks].flatten(0, 1)[:seq_len]
