@@ -235,7 +235,10 @@ def main() -> None:
         f"kvflow default mode, {ours['weight_bytes_per_step'] / 2**20:.0f} MiB of weights read per decode step, "
         f"K/V {ours['kv_bytes_per_token']} bytes per token.",
         "",
-        (f"Probe: read {row['read_dram_gb_s']:.1f} GB/s (the decode roofline's), " if row.get("read_dram_gb_s") else "Probe: ")
+        f"Read rate around kvflow's decode runs (their rooflines'): {tg['read_bytes_per_s'] / 1e9:.1f} GB/s at "
+        f"depth 0, {tg_deep['read_bytes_per_s'] / 1e9:.1f} at depth {args.depth}.",
+        "",
+        (f"Probe at the start: read {row['read_dram_gb_s']:.1f} GB/s, " if row.get("read_dram_gb_s") else "Probe: ")
         + f"copy {row['copy_dram_gb_s']:.1f} GB/s (1 GiB arrays), {row['copy_cache_gb_s']:.1f} GB/s "
         f"(16 MiB), matmul {row['matmul_f32_tflop_s']:.2f} TFLOP/s f32, "
         + (f"{row['matmul_bf16_tflop_s']:.2f} bf16, " if row.get("matmul_bf16_tflop_s") else "bf16 not native, ")

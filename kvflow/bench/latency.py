@@ -7,6 +7,10 @@
 
 Rooflines: prefill cannot beat (matmul rate / FLOPs per token); decode cannot beat
 (bandwidth / bytes read per step) * batch, where a step reads every weight once plus each sequence's KV.
+The bandwidth of a decode test is the probe's read rate taken again right before and right after each of
+its runs (their mean, the median over runs): on a shared host the rate moves from one minute to the next
+(on the Zen 4 EPYC of sessions 27 and 28, between about 32 and 58 GB/s), and a rate read once at the start
+put the same decode speed anywhere between half its ceiling and above it.
 """
 
 from __future__ import annotations
@@ -19,7 +23,14 @@ from typing import Any
 
 import torch
 
-from kvflow.bench.probe import bandwidth_bytes_per_s, load_probe, matmul_flop_per_s, run_probe, save_probe
+from kvflow.bench.probe import (
+    bandwidth_bytes_per_s,
+    load_probe,
+    matmul_flop_per_s,
+    read_rate,
+    run_probe,
+    save_probe,
+)
 from kvflow.bench.roofline import ModelShape
 from kvflow.config import engine_config
 from kvflow.executors.model_figures import prefill_matmul_kind, weight_bytes_read_per_step
@@ -62,6 +73,9 @@ def measure_decode(llm: LLM, n_gen: int, depth: int, batch: int, gen: torch.Gene
     return tokens / (end - start)
 
 
+ADJACENT_READ_BYTES = 256 << 20  # the array a decode run's read rate is taken on: far past any cache
+
+
 def run_latency(
     model: str | None,
     prompts: list[int],
@@ -100,6 +114,7 @@ def run_latency(
     if flops_rate is None:  # an older probe, or one taken where this kind was not timed
         flops_rate = matmul_flop_per_s(probe, "f32", threads=threads)
     gen = torch.Generator().manual_seed(0)
+    read_array = torch.ones(ADJACENT_READ_BYTES // 4, device=loaded.device) if n_gen > 0 else None
     results = []
     measure_prefill(llm, 32, 0, gen)  # warm-up: first-touch of weights and caches
     for depth in depths:
@@ -109,10 +124,15 @@ def run_latency(
             roof = flops_rate / (shape.prefill_flops(n, depth, all_logits=False) / n)
             results.append(_row(f"pp{n}", n, 0, depth, 1, tps, roof))
         for batch in batches if n_gen > 0 else []:
-            rates = [measure_decode(llm, n_gen, depth, batch, gen) for _ in range(reps)]
-            tps = statistics.median(rates)
+            rates, reads = [], []
+            for _ in range(reps):
+                before = read_rate(read_array, reps=3, warmup=1)
+                rates.append(measure_decode(llm, n_gen, depth, batch, gen))
+                reads.append((before + read_rate(read_array, reps=3, warmup=1)) / 2)
+            tps, read = statistics.median(rates), statistics.median(reads)
             per_step = weight_bytes + kv_bytes * batch * (depth + n_gen / 2)
-            results.append(_row(f"tg{n_gen}", 0, n_gen, depth, batch, tps, bandwidth / per_step * batch))
+            results.append({**_row(f"tg{n_gen}", 0, n_gen, depth, batch, tps, read / per_step * batch),
+                            "read_bytes_per_s": read})
     return {
         "kind": "latency",
         "model": loaded.resolved.name,
@@ -159,14 +179,15 @@ def markdown_table(report: dict) -> str:
         f"{tier}, {report['weight_bytes_per_step'] / 2**20:.0f} MiB of weights read per decode step, prefill "
         f"matmuls {report.get('prefill_matmuls', '?')}",
         "",
-        "| test | depth | batch | tokens/s | roofline tokens/s | % of roofline |",
-        "|---|---|---|---|---|---|",
+        "| test | depth | batch | tokens/s | roofline tokens/s | % of roofline | read GB/s around the runs |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in report["results"]:
         frac = r["fraction_of_roofline"]
+        read = f"{r['read_bytes_per_s'] / 1e9:.1f}" if r.get("read_bytes_per_s") else "-"
         lines.append(
             f"| {r['test']} | {r['depth']} | {r['batch']} | {r['tokens_per_s']:,.1f} | "
-            f"{r['roofline_tokens_per_s']:,.0f} | {100 * frac:.0f}% |"
+            f"{r['roofline_tokens_per_s']:,.0f} | {100 * frac:.0f}% | {read} |"
         )
     spec = report.get("speculative")
     if spec:

@@ -119,10 +119,13 @@ def copy_bandwidth(nbytes: int, device: str = "cpu", reps: int = 5, warmup: int 
 def read_bandwidth(nbytes: int, device: str = "cpu", reps: int = 5, warmup: int = 2) -> float:
     """Bytes/s of a float32 sum over an ``nbytes`` array: a read stream with no writes, which is what a
     decode step's weights are (a copy's writes cost more than its count of them, and under-reads it)."""
-    dev = torch.device(device)
-    src = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
-    seconds = _median_seconds(lambda: src.sum(), dev, reps, warmup)
-    return nbytes // 4 * 4 / seconds
+    return read_rate(torch.ones(nbytes // 4, dtype=torch.float32, device=torch.device(device)), reps, warmup)
+
+
+def read_rate(src: torch.Tensor, reps: int = 5, warmup: int = 2) -> float:
+    """Bytes/s of a sum over the float32 tensor src (read_bandwidth's measure, on an array kept for reuse)."""
+    seconds = _median_seconds(lambda: src.sum(), src.device, reps, warmup)
+    return src.numel() * 4 / seconds
 
 
 def matmul_rate(n: int, dtype: torch.dtype, device: str = "cpu", reps: int = 5, warmup: int = 2) -> float:

@@ -37,10 +37,12 @@ def test_latency_command_writes_json_with_rooflines(tmp_path, tiny_checkpoints):
     for r in report["results"]:
         assert r["tokens_per_s"] > 0
         assert abs(r["fraction_of_roofline"] - r["tokens_per_s"] / r["roofline_tokens_per_s"]) < 1e-9
-        if r["n_gen"]:  # decode: bandwidth / bytes per step * batch, bytes = weights + KV read
+        if r["n_gen"]:  # decode: read rate / bytes per step * batch, bytes = weights + KV read
             per_step = report["weight_bytes_per_step"] + report["kv_bytes_per_token"] * r["batch"] * (
                 r["depth"] + r["n_gen"] / 2)
-            assert abs(r["roofline_tokens_per_s"] - bandwidth / per_step * r["batch"]) < 1e-6
+            # The rate read around its runs (this machine's, not the saved probe's 10 GB/s)
+            assert 1e8 < r["read_bytes_per_s"] < 1e13 and r["read_bytes_per_s"] != bandwidth
+            assert abs(r["roofline_tokens_per_s"] - r["read_bytes_per_s"] / per_step * r["batch"]) < 1e-6
 
 
 def test_zero_prompt_or_generation_length_skips_that_test(tmp_path, tiny_checkpoints):
