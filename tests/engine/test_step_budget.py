@@ -200,15 +200,22 @@ def test_exact_outputs_are_the_same_bounded_or_not_and_the_trace_shows_the_limit
     assert max(unbounded) >= 256 - 4  # without the bound the long prompt fills the token budget
 
 
-def test_what_a_chunk_overran_by_comes_out_of_the_bucket():
-    """A chunk predicted at 40 ms that took 60 ms leaves the bucket 20 ms short, so the next chunk waits
-    two more steps: the decoders' average pace holds even where the fit is wrong."""
+def eight_decoders(max_step_seconds: float):
+    """A scheduler whose step budget (slowdown 2) has learned decode steps, after the first step of eight
+    decoding requests."""
     sched = make_scheduler(num_blocks=1024, block_size=16, max_num_batched_tokens=2048)
     budget = sched.step_budget = budget_with_decodes(2.0)
-    budget.max_step_seconds = 0.050
+    budget.max_step_seconds = max_step_seconds
     for i in range(8):
         sched.add_request(make_request(f"d{i}", 90, max_tokens=500, ignore_eos=True))
     step(sched)
+    return sched, budget
+
+
+def test_what_a_chunk_overran_by_comes_out_of_the_bucket():
+    """A chunk predicted at 40 ms that took 60 ms leaves the bucket 20 ms short, so the next chunk waits
+    two more steps: the decoders' average pace holds even where the fit is wrong."""
+    sched, budget = eight_decoders(max_step_seconds=0.050)
     step(sched)
     sched.add_request(make_request("long", 6000, max_tokens=1))
     out = sched.schedule()
@@ -224,12 +231,7 @@ def test_what_a_chunk_overran_by_comes_out_of_the_bucket():
 def test_steps_with_no_prompt_in_view_refill_the_bucket_by_what_they_took_without_a_fit():
     """Decode steps with nothing waiting plan nothing (no fit of the decode costs); each adds
     (slowdown - 1) times its measured time, and a prompt that then arrives finds that much saved up."""
-    sched = make_scheduler(num_blocks=1024, block_size=16, max_num_batched_tokens=2048)
-    budget = sched.step_budget = budget_with_decodes(2.0)
-    budget.max_step_seconds = 0.050
-    for i in range(8):
-        sched.add_request(make_request(f"d{i}", 90, max_tokens=500, ignore_eos=True))
-    step(sched)
+    sched, budget = eight_decoders(max_step_seconds=0.050)
     budget.bucket = 0.0  # as after a chunk that took it all
     for _ in range(3):
         budget.decode_costs._theta = None  # what such a step does not need: a refit
