@@ -22,6 +22,10 @@ from kvflow.spec.config import SpeculativeConfig
 from kvflow.spec.control import Acceptance, MatchAcceptance, allocate_drafts
 from kvflow.spec.sources import DraftSource
 
+# The step-cost fit that prices drafts may lag this many decode steps: a refit is a numpy solve, on a small
+# model a few percent of a step, and a row's price moves little in eight steps.
+FIT_STALE_STEPS = 8
+
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, source: DraftSource, costs: StepCosts | None = None) -> None:
@@ -46,8 +50,8 @@ class Speculator:
             return
         # A draft costs its verify row, and for a draft model its own forward as well.
         context = sum(r.num_tokens for r in decoding)
-        row_fraction = self.costs.row_fraction(len(decoding), context, context // len(decoding))
-        step_seconds = self.costs.step_seconds(len(decoding), context)
+        row_fraction = self.costs.row_fraction(len(decoding), context, context // len(decoding), FIT_STALE_STEPS)
+        step_seconds = self.costs.step_seconds(len(decoding), context, FIT_STALE_STEPS)
         if step_seconds > 0:
             row_fraction += self.source.seconds_per_draft() / step_seconds
         limit, batch, adaptive = self.config.num_speculative_tokens, len(decoding), self.config.adaptive

@@ -42,13 +42,19 @@ class DecayedFit:
         self._xx = np.zeros((self.TERMS, self.TERMS))
         self._xt = np.zeros(self.TERMS)
         self._theta: np.ndarray | None = None
+        self._fitted_at = 0  # self.steps when _theta was fitted
         self.steps = 0
 
     def _add(self, x: np.ndarray, seconds: float) -> None:
         self._xx = self.DECAY * self._xx + np.outer(x, x)
         self._xt = self.DECAY * self._xt + x * seconds
         self.steps += 1
-        self._theta = None
+
+    def _current(self, stale_steps: int) -> bool:
+        """Whether the last fit may stand: it has missed at most `stale_steps` observations. (A refit is
+        a numpy solve, tens of microseconds; a caller that only weighs drafts every step can take a fit a
+        few steps old.)"""
+        return self._theta is not None and self.steps - self._fitted_at <= stale_steps
 
 
 class StepCosts(DecayedFit):
@@ -73,10 +79,11 @@ class StepCosts(DecayedFit):
         self._add(np.array([1.0, float(batch), context / 1000, float(draft_rows), draft_row_context / 1000]),
                   seconds)
 
-    def _fit(self) -> np.ndarray | None:
+    def _fit(self, stale_steps: int = 0) -> np.ndarray | None:
         if self.steps == 0:
             return None
-        if self._theta is None:
+        if not self._current(stale_steps):
+            self._fitted_at = self.steps
             # The prior: a one-sequence step's mean time split evenly into fixed and per-sequence parts,
             # a row at prior_row_fraction of it, nothing per context; the data moves the fit away from it.
             mean = self._xt[0] / max(self._xx[0, 0], 1e-12)
@@ -86,26 +93,28 @@ class StepCosts(DecayedFit):
             self._theta = np.maximum(theta, [0.0, 1e-6, 0.0, 1e-6, 0.0])
         return self._theta
 
-    def step_seconds(self, batch: int, context: int = 0) -> float:
-        """A plain decode step of this batch (over `context` tokens in all), as fitted (0 before any step)."""
-        return self.seconds(batch, context)
+    def step_seconds(self, batch: int, context: int = 0, stale_steps: int = 0) -> float:
+        """A plain decode step of this batch (over `context` tokens in all), as fitted (0 before any step);
+        stale_steps: how many observations the fit may lag (_current)."""
+        return self.seconds(batch, context, stale_steps=stale_steps)
 
-    def seconds(self, batch: int, context: int = 0, rows: int = 0, row_context: int = 0) -> float:
+    def seconds(self, batch: int, context: int = 0, rows: int = 0, row_context: int = 0,
+                stale_steps: int = 0) -> float:
         """A decode step of this batch with `rows` draft rows (row_context: their sequences' lengths, summed
         over the rows), as fitted (0 before any step)."""
-        theta = self._fit()
+        theta = self._fit(stale_steps)
         if theta is None:
             return 0.0
         return float(theta[0] + theta[1] * batch + theta[2] * context / 1000 + theta[3] * rows
                      + theta[4] * row_context / 1000)
 
-    def row_fraction(self, batch: int, context: int = 0, row_context: int = 0) -> float:
+    def row_fraction(self, batch: int, context: int = 0, row_context: int = 0, stale_steps: int = 0) -> float:
         """What one more row (of a sequence `row_context` tokens long) costs, as a fraction of a plain
         decode step of this batch."""
-        theta = self._fit()
+        theta = self._fit(stale_steps)
         if theta is None:
             return self.prior_row_fraction / batch  # nothing measured yet
-        return float((theta[3] + theta[4] * row_context / 1000) / self.step_seconds(batch, context))
+        return float((theta[3] + theta[4] * row_context / 1000) / self.step_seconds(batch, context, stale_steps))
 
 
 def nonnegative_fit(xx: np.ndarray, xt: np.ndarray, prior: np.ndarray, scale: float) -> np.ndarray:
@@ -166,7 +175,8 @@ class PromptChunkCosts(DecayedFit):
         self._recent_rows.append(rows)
 
     def _fit(self) -> np.ndarray:
-        if self._theta is None:
+        if not self._current(0):
+            self._fitted_at = self.steps
             # Leans (weakly) on all of the cost being per row, until depths vary enough to split it.
             rows = max(self._xx[0, 0], 1e-12)
             prior = np.array([self._xt[0] / rows, 0.0, 0.0])

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from kvflow import LLM, SamplingParams
 from kvflow.config import ModelConfig
-from kvflow.engine.speculation import Speculator, kept_tokens
+from kvflow.engine.speculation import FIT_STALE_STEPS, Speculator, kept_tokens
 from kvflow.engine.step_budget import StepCosts
 from kvflow.executors.model_setup import load_model
 from kvflow.spec.config import SpeculativeConfig, resolve
@@ -363,3 +363,21 @@ def test_a_sampled_draft_is_kept_with_the_targets_probability(tiny_checkpoints, 
     z = 3.09  # one-sided 0.001: a correct sampler fails this once in a thousand seed sets (and the seeds are fixed)
     critical = df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3  # Wilson-Hilferty
     assert df >= 2 and chi2 < critical, (chi2, critical, df)
+
+
+def test_the_fit_that_prices_drafts_lags_at_most_the_steps_it_allows():
+    """The speculator reads the step-cost fit every step; a refit (a numpy solve) is taken at most every
+    FIT_STALE_STEPS + 1 observations, while exact callers (the step budget) refit at every new one."""
+    costs = StepCosts()
+    for _ in range(20):
+        costs.observe(1, 0, 0.010, 100)
+        costs.observe(1, 2, 0.012, 100)
+    first = costs.row_fraction(1, 100, 100, FIT_STALE_STEPS)
+    for _ in range(FIT_STALE_STEPS):
+        costs.observe(1, 2, 0.030, 100)  # draft rows now cost far more
+    assert costs.row_fraction(1, 100, 100, FIT_STALE_STEPS) == first
+    costs.observe(1, 2, 0.030, 100)
+    lagging = costs.row_fraction(1, 100, 100, FIT_STALE_STEPS)
+    assert lagging > first
+    costs.observe(1, 2, 0.030, 100)
+    assert costs.row_fraction(1, 100, 100) > lagging  # exact: this observation counts at once
