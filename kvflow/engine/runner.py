@@ -138,8 +138,11 @@ class ModelRunner:
         query_starts, seq_lens, logits_indices, sample_ids = [0], [], [], []
         prompt_rows: list[int] = []
         spans: list[PromptSpan] = []
+        draft_rows = decode_rows = 0
         for seq in scheduled:
             req, start, n = seq.request, seq.start, seq.num_tokens
+            draft_rows += len(seq.draft_token_ids)
+            decode_rows += n - len(seq.draft_token_ids) == 1
             if req.prompt_logits_from is not None:
                 # The last prompt position predicts the first output token: that row is the sampled one.
                 first, end = max(start, req.prompt_logits_from), min(start + n, req.num_prompt_tokens - 1)
@@ -170,8 +173,8 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
             sample_request_ids=sample_ids,
             prompt_spans=spans,
-            num_draft_rows=sum(len(seq.draft_token_ids) for seq in scheduled),
-            num_decode_rows=sum(seq.num_tokens - len(seq.draft_token_ids) == 1 for seq in scheduled),
+            num_draft_rows=draft_rows,
+            num_decode_rows=decode_rows,
         )
 
     def _cache_places(self, scheduled, group: int) -> dict:

@@ -33,7 +33,7 @@ from kvflow.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 
 class DecayedFit:
     """Normal equations of a least-squares fit whose older observations weigh DECAY less per new one; a
-    subclass sets DECAY and TERMS, and turns them into its terms (its prior and its floor)."""
+    subclass sets DECAY and TERMS, and turns them into its terms in _solve (its prior and its floor)."""
 
     DECAY: float
     TERMS: int
@@ -50,11 +50,18 @@ class DecayedFit:
         self._xt = self.DECAY * self._xt + x * seconds
         self.steps += 1
 
-    def _current(self, stale_steps: int) -> bool:
-        """Whether the last fit may stand: it has missed at most `stale_steps` observations. (A refit is
-        a numpy solve, tens of microseconds; a caller that only weighs drafts every step can take a fit a
-        few steps old.)"""
-        return self._theta is not None and self.steps - self._fitted_at <= stale_steps
+    def _fit(self, stale_steps: int = 0) -> np.ndarray | None:
+        """The fitted terms (None before any observation), refitted once the last fit has missed more than
+        `stale_steps` observations. (A refit is a numpy solve, tens of microseconds: a caller that only
+        weighs drafts every step can take a fit a few steps old.)"""
+        if self.steps == 0:
+            return None
+        if self._theta is None or self.steps - self._fitted_at > stale_steps:
+            self._theta, self._fitted_at = self._solve(), self.steps
+        return self._theta
+
+    def _solve(self) -> np.ndarray:
+        raise NotImplementedError
 
 
 class StepCosts(DecayedFit):
@@ -79,19 +86,13 @@ class StepCosts(DecayedFit):
         self._add(np.array([1.0, float(batch), context / 1000, float(draft_rows), draft_row_context / 1000]),
                   seconds)
 
-    def _fit(self, stale_steps: int = 0) -> np.ndarray | None:
-        if self.steps == 0:
-            return None
-        if not self._current(stale_steps):
-            self._fitted_at = self.steps
-            # The prior: a one-sequence step's mean time split evenly into fixed and per-sequence parts,
-            # a row at prior_row_fraction of it, nothing per context; the data moves the fit away from it.
-            mean = self._xt[0] / max(self._xx[0, 0], 1e-12)
-            prior = np.array([mean / 2, mean / 2, 0.0, self.prior_row_fraction * mean, 0.0])
-            scale = self.PRIOR_WEIGHT * max(self._xx[0, 0], 1.0)
-            theta = nonnegative_fit(self._xx, self._xt, prior, scale)
-            self._theta = np.maximum(theta, [0.0, 1e-6, 0.0, 1e-6, 0.0])
-        return self._theta
+    def _solve(self) -> np.ndarray:
+        # The prior: a one-sequence step's mean time split evenly into fixed and per-sequence parts, a row
+        # at prior_row_fraction of it, nothing per context; the data moves the fit away from it.
+        mean = self._xt[0] / max(self._xx[0, 0], 1e-12)
+        prior = np.array([mean / 2, mean / 2, 0.0, self.prior_row_fraction * mean, 0.0])
+        scale = self.PRIOR_WEIGHT * max(self._xx[0, 0], 1.0)
+        return np.maximum(nonnegative_fit(self._xx, self._xt, prior, scale), [0.0, 1e-6, 0.0, 1e-6, 0.0])
 
     def step_seconds(self, batch: int, context: int = 0, stale_steps: int = 0) -> float:
         """A plain decode step of this batch (over `context` tokens in all), as fitted (0 before any step);
@@ -174,14 +175,11 @@ class PromptChunkCosts(DecayedFit):
         self._add(np.array([float(rows), attended / 1000, depth / 1000]), max(seconds, 0.0))
         self._recent_rows.append(rows)
 
-    def _fit(self) -> np.ndarray:
-        if not self._current(0):
-            self._fitted_at = self.steps
-            # Leans (weakly) on all of the cost being per row, until depths vary enough to split it.
-            rows = max(self._xx[0, 0], 1e-12)
-            prior = np.array([self._xt[0] / rows, 0.0, 0.0])
-            self._theta = nonnegative_fit(self._xx, self._xt, prior, 1e-4 * max(rows, 1.0))
-        return self._theta
+    def _solve(self) -> np.ndarray:
+        # Leans (weakly) on all of the cost being per row, until depths vary enough to split it.
+        rows = max(self._xx[0, 0], 1e-12)
+        prior = np.array([self._xt[0] / rows, 0.0, 0.0])
+        return nonnegative_fit(self._xx, self._xt, prior, 1e-4 * max(rows, 1.0))
 
     def seconds(self, start: int, rows: int) -> float:
         """One chunk: rows start .. start + rows - 1 of a sequence, as fitted (0 before any step)."""
