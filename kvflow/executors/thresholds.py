@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvflow.kernels import abi
+from kvflow.kernels import abi, cpu_features
 
 
 @dataclass(frozen=True)
@@ -38,9 +38,11 @@ class RowThresholds:
     # 0 never does. Halves the integer work where a step is compute-bound; a token's logits then depend on
     # its step's batch, which the exact mode never allows. AMX keeps 16 bits (its tiles are fast enough).
     # How: a whole native step both ways at 1 to 512 rows on each tier, and greedy text against the exact
-    # mode (benchmarks/RESULTS.md, "8-bit inputs").
+    # mode (benchmarks/RESULTS.md, "8-bit inputs"). The generic kernel (csrc/packed_generic.h; also NEON's
+    # without dotprod) multiplies whole 16-bit inputs, as fast as 8-bit ones: it never takes them
+    # (RESULTS.md, "Session 29").
     eight_bit_min_rows_by_tier: tuple[tuple[str, int], ...] = (
-        ("generic", 2), ("avx2", 2), ("neon", 2), ("avx512", 8), ("amx", 0))
+        ("generic", 0), ("avx2", 2), ("neon", 2), ("avx512", 8), ("amx", 0))
     # The same for steps that hold prompt rows, on the tiers above that take 8-bit inputs at all: long
     # prompts, where prefill time is felt (TTFT, waves of arrivals), not a short chat turn's, which takes
     # milliseconds either way and keeps 16-bit inputs (8-bit ones flip the default model's answer to "What
@@ -48,6 +50,8 @@ class RowThresholds:
     eight_bit_prompt_min_rows: int = 128
 
     def eight_bit_min_rows(self, tier: str) -> int:
+        if tier == "neon" and "asimddp" not in cpu_features.cpu_flags():
+            tier = "generic"  # ARMv8.0: the generic kernel on NEON vectors
         return dict(self.eight_bit_min_rows_by_tier).get(tier, 0)
 
     def kernel_tuning(self) -> abi.KvflowTuning:

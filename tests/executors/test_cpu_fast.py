@@ -82,13 +82,24 @@ def dense_loaded():
     return loaded
 
 
-def assert_close_outputs(a_outs, b_outs, tolerance: float) -> None:
+def assert_close_outputs(a_outs, b_outs, tolerance: float, ties: bool = True) -> None:
+    """Greedy tokens alike and logprobs within `tolerance` nats. Two modes that round differently may part
+    where two tokens tie (seen on the generic tier: 1e-4 nats apart); with `ties`, a parting is accepted
+    only at such a tie, each side's token within `tolerance` of the other's in both modes, and the
+    comparison of that sequence ends there."""
     for a, b in zip(a_outs, b_outs):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for lp_a, lp_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+        a_ids, b_ids = a.outputs[0].token_ids, b.outputs[0].token_ids
+        assert len(a_ids) == len(b_ids)
+        for ta, tb, lp_a, lp_b in zip(a_ids, b_ids, a.outputs[0].logprobs, b.outputs[0].logprobs):
             shared = lp_a.keys() & lp_b.keys()
             assert shared
             assert max(abs(lp_a[t].logprob - lp_b[t].logprob) for t in shared) < tolerance
+            if ta != tb:
+                assert ties, f"greedy tokens part: {ta} against {tb}"
+                assert {ta, tb} <= shared, "a parting that is not between the two modes' top tokens"
+                assert abs(lp_a[ta].logprob - lp_a[tb].logprob) < tolerance
+                assert abs(lp_b[ta].logprob - lp_b[tb].logprob) < tolerance
+                break
 
 
 def test_fast_mode_runs_the_native_decoder(fast_loaded):
@@ -258,7 +269,7 @@ def test_native_experts_do_not_depend_on_the_batch(tiny_checkpoints, native_step
     together = make_llm(loaded, kv_cache_memory=16 << 20, max_num_batched_tokens=16,
                         enable_prefix_caching=False).generate(prompts, PARAMS)
     assert native_steps[0] - steps_alone >= 24 and native_steps[1] == 0
-    assert_close_outputs(alone, together, 1e-5)
+    assert_close_outputs(alone, together, 1e-5, ties=False)
 
 
 @pytest.mark.usefixtures("sixteen_bit_inputs")

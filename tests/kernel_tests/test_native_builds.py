@@ -4,8 +4,12 @@ row ops):
 
 - this CPU's own tier, with csrc/threads.h's std::thread pool instead of OpenMP (what a compiler without
   OpenMP, such as Apple's clang, builds); the lower tiers are checked through Python (test_tiers.py);
-- aarch64, the generic and NEON (dotprod) tiers, cross-compiled with Debian's g++-aarch64-linux-gnu and
-  run under qemu-aarch64 user emulation, with the thread pool and with OpenMP.
+- the generic tier as this CPU builds it (SSE2 on x86-64: its fused multiply-add is emulated), and with the
+  plain C++ vectors that CPUs with neither SSE2 nor NEON get (KVFLOW_PLAIN_VECTORS), which no tier here
+  would otherwise compile;
+- aarch64, cross-compiled with Debian's g++-aarch64-linux-gnu and run under qemu-aarch64 user emulation:
+  the NEON tier with dotprod (thread pool and OpenMP), and without it (ARMv8.0, such as the Raspberry Pi
+  4's Cortex-A72: the generic packed matmul on NEON).
 
 .ci/run installs the cross compiler and qemu and sets KVFLOW_REQUIRE_CROSS=1: there a missing tool fails
 the test instead of skipping it.
@@ -60,11 +64,20 @@ def test_this_cpu_with_the_thread_pool(tmp_path):
     run_checks([str(compile_harness(cxx, flags, tmp_path / "check", openmp=False))])
 
 
-# The neon tier under both thread models. (The generic tier is the same plain C++ on every machine, built and
-# checked on this CPU by test_tiers.py.)
-@pytest.mark.parametrize(("tier", "openmp"), [("neon", False), ("neon", True)], ids=["thread pool-neon", "openmp-neon"])
-def test_aarch64_tiers_under_qemu(tier, openmp, tmp_path):
+@pytest.mark.parametrize("plain", [False, True], ids=["generic", "generic-plain-vectors"])
+def test_the_generic_tier(plain, tmp_path):
+    cxx = build.compiler()
+    if cxx is None:
+        pytest.skip("no C++ compiler")  # nothing to build; CI has g++
+    flags = (*build.tier_flags("generic"), *(("-DKVFLOW_PLAIN_VECTORS",) if plain else ()))
+    run_checks([str(compile_harness(cxx, flags, tmp_path / "check", openmp=True))])
+
+
+@pytest.mark.parametrize(("cpu_flags", "openmp"), [({"asimd", "asimddp"}, False), ({"asimd", "asimddp"}, True),
+                                                   ({"asimd"}, True)],
+                         ids=["thread pool-neon", "openmp-neon", "openmp-neon-without-dotprod"])
+def test_aarch64_tiers_under_qemu(cpu_flags, openmp, tmp_path):
     cxx, qemu = tool("aarch64-linux-gnu-g++"), tool("qemu-aarch64")
-    flags = (*build.tier_flags(tier, machine="aarch64", flags=frozenset({"asimd", "asimddp"})), "-static")
+    flags = (*build.tier_flags("neon", machine="aarch64", flags=frozenset(cpu_flags)), "-static")
     binary = compile_harness(cxx, flags, tmp_path / "check", openmp)
     run_checks([qemu, "-cpu", "max", str(binary)])

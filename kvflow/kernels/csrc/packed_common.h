@@ -68,7 +68,7 @@ inline const uint8_t* super_at(const KvflowPackedWeight& w, int64_t g, int64_t b
 inline float half_value(const uint8_t* p) {
   kvflow::float16 h;
   __builtin_memcpy(&h, p, 2);
-  return static_cast<float>(h);
+  return widen(h);
 }
 
 // Column c's scale and offset (w = scale * q + offset) in block b of group g, whose bytes start at `block`:
@@ -147,7 +147,7 @@ inline void quantize_row_scalar(const float* x, int64_t k, int block, int8_t* hi
     const float inv = amax > 0.f ? kMaxInt / amax : 0.f;
     int32_t total = 0;
     for (int i = 0; i < block; ++i) {
-      int32_t q = static_cast<int32_t>(std::nearbyint(xb[i] * inv));
+      int32_t q = simd::round_to_int(xb[i] * inv);
       q = q > kMaxInt ? kMaxInt : (q < -kMaxInt ? -kMaxInt : q);  // x / s can round past the bound by an ulp
       const int32_t h = (q + 128) >= 0 ? (q + 128) / 256 : -((-(q + 128) + 255) / 256);  // floor division
       hi[b * block + i] = static_cast<int8_t>(h);
@@ -169,7 +169,7 @@ inline void quantize_row8_scalar(const float* x, int64_t k, int block, int8_t* d
     const float inv = amax > 0.f ? kMaxInt8 / amax : 0.f;
     int32_t total = 0;
     for (int i = 0; i < block; ++i) {
-      int32_t q = static_cast<int32_t>(std::nearbyint(xb[i] * inv));
+      int32_t q = simd::round_to_int(xb[i] * inv);
       q = q > kMaxInt8 ? kMaxInt8 : (q < -kMaxInt8 ? -kMaxInt8 : q);
       digits[b * block + i] = static_cast<int8_t>(q);
       total += q;

@@ -1,5 +1,6 @@
 // Rows times packed 4-, 6- or 8-bit weights, with integer dot products: AVX512-VNNI (and AMX int8 tiles for
-// several rows), AVX2, ARM NEON dotprod, or plain C++, whichever this tier's library was built for.
+// several rows), AVX2, ARM NEON dotprod, or the generic kernel's 16-bit multiplies (SSE2, NEON without
+// dotprod, plain C++), whichever this tier's library was built for.
 //
 // Decode reads every weight once per step and does two flops with it, so its speed is how cheaply the
 // packed bytes become products. The layout (kvflow_cpu.h) puts 16 output columns side by side, 4
@@ -38,8 +39,8 @@ constexpr int32_t kPath = 2;
 using Kernel = kvflow::packed::Neon;
 constexpr int32_t kPath = 3;
 #else
-#include "packed_scalar.h"
-using Kernel = kvflow::packed::Scalar;
+#include "packed_generic.h"
+using Kernel = kvflow::packed::Generic;
 constexpr int32_t kPath = 1;
 #endif
 

@@ -1,5 +1,5 @@
-// One float vector for every tier: 16 lanes on AVX-512, 8 on AVX2 (with FMA and F16C), 4 on NEON, 1 in
-// plain C++. The kernels are written once against these few operations; the library of each tier is
+// One float vector for every tier: 16 lanes on AVX-512, 8 on AVX2 (with FMA and F16C), 4 on NEON, 4 on
+// SSE2 (the generic tier on x86-64), 1 in plain C++. The kernels are written once against these few operations; the library of each tier is
 // compiled with that tier's flags (kvflow/kernels/build.py), which picks the branch below.
 //
 // Loads and stores take float32, bfloat16 (uint16_t bits) and float16 (float16) values. Rounding is the
@@ -17,9 +17,14 @@
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define KVFLOW_SIMD_AVX2 1
-#elif defined(__ARM_NEON)
+#elif defined(__ARM_NEON) && !defined(KVFLOW_PLAIN_VECTORS)  // (int_vectors.h: for the tests)
 #include <arm_neon.h>
 #define KVFLOW_SIMD_NEON 1
+#elif defined(__SSE2__) && !defined(KVFLOW_PLAIN_VECTORS)
+#define KVFLOW_SIMD_SSE2 1
+#endif
+#if defined(__SSE2__)
+#include <emmintrin.h>  // round_to_int, on every x86-64 tier
 #endif
 
 namespace kvflow {
@@ -47,9 +52,27 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch doe
   return static_cast<uint16_t>(bits >> 16);
 }
 
+#if defined(KVFLOW_SIMD_SSE2)
+// IEEE halves (the low 16 bits of each 32-bit lane) as floats, exactly, without F16C: exponent and mantissa
+// moved to a float's place and scaled by 2^112 (which also makes a half subnormal a normal float);
+// infinities and NaNs kept as such.
+inline __m128 half_bits(__m128i h) {
+  const __m128i magnitude = _mm_and_si128(h, _mm_set1_epi32(0x7fff));
+  __m128 v = _mm_mul_ps(_mm_castsi128_ps(_mm_slli_epi32(magnitude, 13)), _mm_castsi128_ps(_mm_set1_epi32(0x77800000)));
+  const __m128i special = _mm_cmpgt_epi32(magnitude, _mm_set1_epi32(0x7bff));  // exponent all ones
+  v = _mm_or_ps(v, _mm_castsi128_ps(_mm_and_si128(special, _mm_set1_epi32(0x7f800000))));
+  return _mm_or_ps(v, _mm_castsi128_ps(_mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi32(0x8000)), 16)));
+}
+inline float widen(float16 x) {  // a library call otherwise (libgcc's __extendhfsf2)
+  uint16_t bits;
+  std::memcpy(&bits, &x, 2);
+  return _mm_cvtss_f32(half_bits(_mm_cvtsi32_si128(bits)));
+}
+#else
+inline float widen(float16 x) { return static_cast<float>(x); }
+#endif
 inline float widen(float x) { return x; }
 inline float widen(uint16_t x) { return bf16_to_float(x); }
-inline float widen(float16 x) { return static_cast<float>(x); }
 inline float widen(int8_t x) { return static_cast<float>(x); }  // an 8-bit cache's value, before its scale
 inline void narrow(float x, float* p) { *p = x; }
 inline void narrow(float x, uint16_t* p) { *p = float_to_bf16(x); }
@@ -203,12 +226,74 @@ inline void reduce4(vf a0, vf a1, vf a2, vf a3, float* out) {
   vst1q_f32(out, vpaddq_f32(vpaddq_f32(a0, a1), vpaddq_f32(a2, a3)));
 }
 
+#elif defined(KVFLOW_SIMD_SSE2)
+// x86-64's baseline, for CPUs without AVX2. No fused multiply-add: fmadd rounds twice here (these kernels'
+// results may differ in last bits from tier to tier; the packed matmul's epilogue, which may not, has its
+// own exact one in int_vectors.h). No F16C: halves convert through half_bits below.
+constexpr int kLanes = 4, kRegisters = 16;
+using vf = __m128;
+inline vf load(const float* p) { return _mm_loadu_ps(p); }
+inline vf load(const uint16_t* p) {
+  return _mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), _mm_loadl_epi64((const __m128i*)p)));
+}
+inline vf load(const float16* p) { return half_bits(_mm_unpacklo_epi16(_mm_loadl_epi64((const __m128i*)p), _mm_setzero_si128())); }
+inline vf load(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  const __m128i b = _mm_cvtsi32_si128(v);
+  return _mm_cvtepi32_ps(_mm_srai_epi32(_mm_unpacklo_epi16(_mm_unpacklo_epi8(b, b), _mm_unpacklo_epi8(b, b)), 24));
+}
+inline void store(float* p, vf v) { _mm_storeu_ps(p, v); }
+inline void store(uint16_t* p, vf v) {
+  alignas(16) float tmp[4];
+  _mm_store_ps(tmp, v);
+  for (int i = 0; i < 4; ++i) p[i] = float_to_bf16(tmp[i]);
+}
+inline void store(float16* p, vf v) {
+  alignas(16) float tmp[4];
+  _mm_store_ps(tmp, v);
+  for (int i = 0; i < 4; ++i) p[i] = static_cast<float16>(tmp[i]);
+}
+inline vf zero() { return _mm_setzero_ps(); }
+inline vf set1(float x) { return _mm_set1_ps(x); }
+inline vf add(vf a, vf b) { return _mm_add_ps(a, b); }
+inline vf sub(vf a, vf b) { return _mm_sub_ps(a, b); }
+inline vf mul(vf a, vf b) { return _mm_mul_ps(a, b); }
+inline vf div(vf a, vf b) { return _mm_div_ps(a, b); }
+inline vf fmadd(vf a, vf b, vf c) { return _mm_add_ps(_mm_mul_ps(a, b), c); }
+inline vf max(vf a, vf b) { return _mm_max_ps(a, b); }
+inline vf min(vf a, vf b) { return _mm_min_ps(a, b); }
+inline vf abs(vf a) { return _mm_and_ps(a, _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff))); }
+inline float reduce_add(vf a) {
+  const __m128 t = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+inline float reduce_max(vf a) {
+  const __m128 t = _mm_max_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_max_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+inline vf scale_by_pow2(vf p, vf k) {
+  const __m128i e = _mm_slli_epi32(_mm_add_epi32(_mm_cvtps_epi32(k), _mm_set1_epi32(127)), 23);
+  return _mm_mul_ps(p, _mm_castsi128_ps(e));
+}
+inline vf round_nearest(vf a) {  // through int32 (nearest even); from 2^23 on a float is whole already
+  const __m128 whole = _mm_cmplt_ps(abs(a), _mm_set1_ps(8388608.f));
+  const __m128 r = _mm_cvtepi32_ps(_mm_cvtps_epi32(a));
+  return _mm_or_ps(_mm_and_ps(whole, r), _mm_andnot_ps(whole, a));
+}
+inline vf clear_below(vf v, vf x, vf limit) { return _mm_and_ps(v, _mm_cmpge_ps(x, limit)); }
+inline void reduce4(vf a0, vf a1, vf a2, vf a3, float* out) {
+  const __m128 t0 = _mm_add_ps(_mm_unpacklo_ps(a0, a1), _mm_unpackhi_ps(a0, a1));
+  const __m128 t1 = _mm_add_ps(_mm_unpacklo_ps(a2, a3), _mm_unpackhi_ps(a2, a3));
+  _mm_storeu_ps(out, _mm_add_ps(_mm_movelh_ps(t0, t1), _mm_movehl_ps(t1, t0)));
+}
+
 #else
 constexpr int kLanes = 1, kRegisters = 16;
 using vf = float;
 inline vf load(const float* p) { return *p; }
 inline vf load(const uint16_t* p) { return bf16_to_float(*p); }
-inline vf load(const float16* p) { return static_cast<float>(*p); }
+inline vf load(const float16* p) { return widen(*p); }
 inline vf load(const int8_t* p) { return static_cast<float>(*p); }
 inline void store(float* p, vf v) { *p = v; }
 inline void store(uint16_t* p, vf v) { *p = float_to_bf16(v); }
@@ -230,6 +315,16 @@ inline vf round_nearest(vf a) { return std::nearbyint(a); }
 inline vf clear_below(vf v, vf x, vf limit) { return x >= limit ? v : 0.f; }
 inline void reduce4(vf a0, vf a1, vf a2, vf a3, float* out) { out[0] = a0, out[1] = a1, out[2] = a2, out[3] = a3; }
 #endif
+
+// x rounded to the nearest integer, ties to even (|x| < 2^31): one instruction on x86-64 (in the default
+// rounding mode), where std::nearbyint is a library call without SSE4.1.
+inline int32_t round_to_int(float x) {
+#if defined(__SSE2__)
+  return _mm_cvtss_si32(_mm_set_ss(x));
+#else
+  return static_cast<int32_t>(std::nearbyint(x));
+#endif
+}
 
 // e^v per lane. Inputs below kExpLowest give exactly 0; past the float range, inf (AVX-512) or the
 // largest finite power of two times the polynomial (elsewhere: exp's callers only pass v <= 0).

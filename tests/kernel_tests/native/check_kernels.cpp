@@ -9,6 +9,9 @@
 //   paged attention every row against a double-precision softmax, float32 and float16 caches, blocks
 //                   token-major and head-major
 //   row ops         rms_scale and silu_mul against plain loops
+//   vector helpers  int_vectors.h's fused multiply-add (emulated where there is no FMA unit) bitwise
+//                   against std::fma, on cases that round twice if done naively; its and simd.h's
+//                   float16 loads against the compiler's conversion, every one of the 65,536 halves
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -16,8 +19,10 @@
 #include <random>
 #include <vector>
 
+#include "int_vectors.h"
 #include "kvflow_cpu.h"
 #include "row_ops.h"
+#include "simd.h"
 
 namespace {
 
@@ -310,9 +315,67 @@ void check_row_ops() {
   std::printf("ok row ops: rms_scale and silu_mul\n");
 }
 
+uint32_t bits_of(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  return b;
+}
+
+// a * b + c where a naive double sum lands on a float halfway point (or below the normal range), scaled and
+// signed every way, then random triples of every magnitude: each lane against std::fma, bit for bit.
+void check_exact_fma() {
+  std::vector<float> a, b, c;
+  const float one_ulp = std::ldexp(1.f, -23), half_ulp = std::ldexp(1.f, -24);
+  for (int e : {-140, -126, -60, -20, 0, 20, 60, 100}) {
+    for (float sign : {1.f, -1.f}) {
+      const float scale = std::ldexp(1.f, e);
+      // (1 + 2^-23)(2^-24 - 2^-47) + (1 + 2^-23) = the halfway point 1 + 3 * 2^-24, less 2^-70
+      a.push_back(1.f + one_ulp), b.push_back(sign * (half_ulp - std::ldexp(1.f, -47)) * scale),
+          c.push_back(sign * (1.f + one_ulp) * scale);
+      a.push_back(1.f - half_ulp), b.push_back(sign * (half_ulp + std::ldexp(1.f, -48)) * scale),
+          c.push_back(sign * 1.f * scale);
+      a.push_back(3.f), b.push_back(sign * scale), c.push_back(-sign * 3.f * scale);  // exactly zero
+    }
+  }
+  for (int i = 0; i < 200000; ++i) {
+    a.push_back(std::ldexp(uniform(-1.f, 1.f), static_cast<int>(uniform(-70.f, 60.f))));
+    b.push_back(std::ldexp(uniform(-1.f, 1.f), static_cast<int>(uniform(-70.f, 60.f))));
+    c.push_back(std::ldexp(uniform(-1.f, 1.f), static_cast<int>(uniform(-140.f, 120.f))));
+  }
+  for (int i = 0; i < 200000; ++i)  // a matmul epilogue's: an integer sum times a scale, plus an accumulator
+    a.push_back(std::round(uniform(-3e5f, 3e5f))), b.push_back(uniform(-1e-6f, 1e-6f)), c.push_back(uniform(-2.f, 2.f));
+  while (a.size() % 4) a.push_back(1.f), b.push_back(1.f), c.push_back(1.f);
+  for (size_t i = 0; i < a.size(); i += 4) {
+    float got[4];
+    kvflow::ivec::store(got, kvflow::ivec::fma(kvflow::ivec::loadf(&a[i]), kvflow::ivec::loadf(&b[i]),
+                                               kvflow::ivec::loadf(&c[i])));
+    for (int j = 0; j < 4; ++j)
+      if (bits_of(got[j]) != bits_of(std::fma(a[i + j], b[i + j], c[i + j]))) fail("exact fma");
+  }
+  for (uint32_t h = 0; h < 65536; h += 16) {  // 16: the widest tier's lanes
+    uint8_t bytes[32];
+    float got[16], loaded[16];
+    kvflow::float16 halves[16];
+    for (int j = 0; j < 16; ++j) {
+      const uint16_t v = static_cast<uint16_t>(h + j);
+      std::memcpy(bytes + 2 * j, &v, 2);
+      std::memcpy(&halves[j], &v, 2);
+    }
+    for (int j = 0; j < 16; j += 4) kvflow::ivec::store(got + j, kvflow::ivec::halves(bytes + 2 * j));
+    for (int j = 0; j < 16; j += kvflow::simd::kLanes) kvflow::simd::store(loaded + j, kvflow::simd::load(halves + j));
+    for (int j = 0; j < 16; ++j) {
+      const float want = static_cast<float>(halves[j]);  // NaNs: any NaN (quieted or not)
+      auto same = [want](float x) { return std::isnan(want) ? std::isnan(x) : bits_of(x) == bits_of(want); };
+      if (!same(got[j]) || !same(loaded[j]) || !same(kvflow::widen(halves[j]))) fail("float16 loads");
+    }
+  }
+  std::printf("ok vector helpers: %zu fused multiply-adds, 65536 halves\n", a.size());
+}
+
 }  // namespace
 
 int main() {
+  check_exact_fma();
   check_packed_matmul();
   for (bool head_major : {false, true}) {
     check_attention<float>(0, "float32", head_major);

@@ -1,0 +1,120 @@
+// The packed matmul of the generic tier: x86-64 CPUs without AVX2, ARMv8.0 cores without dotprod, and any
+// other CPU, through int_vectors.h's 128-bit operations (SSE2, NEON, or plain C++).
+//
+// A row's two input digits are one 16-bit integer again here, x = 256 h + l (|x| <= kMaxInt fits 16
+// bits), so one pmaddwd-like step multiplies 8 codes (widened to 16 bits) by 8 inputs and sums the pairs
+// into 32-bit lanes: a block's sum of 32 products of codes below 256 and inputs below 2^15 stays below
+// 2^31, and equals 256 dot(h) + dot(l), the other tiers' exact sum. The float epilogue is theirs, lane for
+// lane, fused multiply-adds included: the result is bitwise the same.
+#pragma once
+
+#include <cstring>
+
+#include "int_vectors.h"
+#include "packed_common.h"
+
+namespace kvflow::packed {
+
+namespace generic {
+
+// Inputs 4u .. 4u + 3 of columns 4q .. 4q + 3 (16 codes, column after column) from one block's bytes.
+template <int Bits, bool Book>
+inline ivec::u8x16 quarter_codes(const uint8_t* block, int block_inputs, int u, int q, const uint8_t* book) {
+  using namespace ivec;
+  if constexpr (Bits == 8) {
+    return load16(block + 64 * u + 16 * q);
+  } else {
+    const u8x16 v = load16(block + 64 * (u / 2) + 16 * q);  // low nibbles: inputs 8p .. +3, high: +4 .. +7
+    u8x16 codes = u % 2 ? high_nibbles(v) : low_nibbles(v);
+    if constexpr (Bits == 6) codes = bytes_or(codes, top_pair(load16(block + top_bits_at(block_inputs) + 64 * (u / 4) + 16 * q), u % 4));
+    if constexpr (Book) codes = lookup16(codes, book);
+    return codes;
+  }
+}
+
+// The 16 columns of group g for M rows.
+template <int M, int Bits, bool Book>
+void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, int64_t y_stride) {
+  using namespace ivec;
+  const int inputs = w.block, units = w.block / 4;
+  const int64_t nb = w.k / inputs;
+  const size_t chunk = chunk_bytes(w), codes_end = code_bytes(w);
+  const uint8_t* base = w.data + static_cast<size_t>(g) * nb * chunk;
+  const uint8_t* book = kCodebook[w.codebook];
+  const bool any_offset = w.has_offset || w.centre;
+  const f32x4 minus_centre = splat(-static_cast<float>(w.centre));
+  f32x4 out[M][4];
+  for (int r = 0; r < M; ++r)
+    for (int q = 0; q < 4; ++q) out[r][q] = zerof();
+  alignas(16) int16_t x[M][kBlock];
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* block = base + static_cast<size_t>(b) * chunk;
+    prefetch_ahead(block, chunk, rows.stream);
+    for (int r = 0; r < M; ++r) {
+      const int8_t* h = rows.hi + r * rows.stride + b * inputs;
+      const int8_t* l = rows.lo ? rows.lo + r * rows.stride + b * inputs : nullptr;
+      for (int i = 0; i < inputs; ++i) x[r][i] = static_cast<int16_t>(l ? h[i] * 256 + l[i] : h[i]);
+    }
+    for (int q = 0; q < 4; ++q) {
+      i32x4 acc[M][2];
+      for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = zero32();
+      for (int u = 0; u < units; ++u) {
+        i16x8 c0, c1;  // columns 4q, 4q + 1 and 4q + 2, 4q + 3
+        widen(quarter_codes<Bits, Book>(block, inputs, u, q, book), &c0, &c1);
+        for (int r = 0; r < M; ++r) {
+          const i16x8 xr = repeat4(x[r] + 4 * u);
+          acc[r][0] = madd(acc[r][0], c0, xr);
+          acc[r][1] = madd(acc[r][1], c1, xr);
+        }
+      }
+      f32x4 scale, offset;
+      if (w.super_scales) {  // d * sc, -(dmin * m) (kvflow_cpu.h)
+        const uint8_t* d = super_at(w, g, b) + 8 * q;
+        scale = mul(halves(d), bytes4(block + codes_end + 4 * q));
+        offset = neg(mul(halves(d + 32), bytes4(block + codes_end + 16 + 4 * q)));
+      } else {
+        scale = halves(block + codes_end + 8 * q);
+        offset = w.has_offset ? halves(block + codes_end + 32 + 8 * q) : mul(scale, minus_centre);
+      }
+      for (int r = 0; r < M; ++r) {
+        const f32x4 dot = to_float(pair_sums(acc[r][0], acc[r][1]));
+        out[r][q] = fma(dot, mul(scale, splat(rows.scale[r * rows.blocks + b])), out[r][q]);
+        if (any_offset) out[r][q] = fma(offset, splat(rows.sum[r * rows.blocks + b]), out[r][q]);
+      }
+    }
+  }
+  const int columns = w.n - g * 16 < 16 ? static_cast<int>(w.n - g * 16) : 16;
+  for (int r = 0; r < M; ++r) {
+    alignas(16) float tmp[16];
+    for (int q = 0; q < 4; ++q) store(tmp + 4 * q, out[r][q]);
+    std::memcpy(y + r * y_stride + g * 16, tmp, sizeof(float) * columns);
+  }
+}
+
+template <int M, int Bits, bool Book>
+void tiles(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y, int64_t ys) {
+  for (int64_t g = g_lo; g < g_hi; ++g) tile<M, Bits, Book>(w, g, rows, y, ys);
+}
+
+}  // namespace generic
+
+struct Generic {
+  static constexpr int kRows = 4;
+  static constexpr int kTwoDigitRows = kRows;  // both digits in one pass
+  static void quantize_row(const float* x, int64_t k, int block, int8_t* hi, int8_t* lo, float* scale, float* sum) {
+    quantize_row_scalar(x, k, block, hi, lo, scale, sum);
+  }
+  static void quantize_row8(const float* x, int64_t k, int block, int8_t* digits, float* scale, float* sum) {
+    quantize_row8_scalar(x, k, block, digits, scale, sum);
+  }
+  template <int M>
+  static void rows_block(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y,
+                         int64_t ys) {
+    if (w.codebook) return generic::tiles<M, 4, true>(w, g_lo, g_hi, rows, y, ys);
+    if (w.bits == 4) return generic::tiles<M, 4, false>(w, g_lo, g_hi, rows, y, ys);
+    if (w.bits == 6) return generic::tiles<M, 6, false>(w, g_lo, g_hi, rows, y, ys);
+    generic::tiles<M, 8, false>(w, g_lo, g_hi, rows, y, ys);
+  }
+};
+
+}  // namespace kvflow::packed
