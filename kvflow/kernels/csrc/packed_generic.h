@@ -18,25 +18,26 @@ namespace kvflow::packed {
 namespace generic {
 
 // Inputs 4u .. 4u + 3 of columns 4q .. 4q + 3 (16 codes, column after column) from one block's bytes.
-template <int Bits, bool Book>
-inline ivec::u8x16 quarter_codes(const uint8_t* block, int block_inputs, int u, int q, const uint8_t* book) {
+template <int Bits, bool Book, int Block>
+inline ivec::u8x16 quarter_codes(const uint8_t* block, int u, int q, const uint8_t* book) {
   using namespace ivec;
   if constexpr (Bits == 8) {
     return load16(block + 64 * u + 16 * q);
   } else {
     const u8x16 v = load16(block + 64 * (u / 2) + 16 * q);  // low nibbles: inputs 8p .. +3, high: +4 .. +7
     u8x16 codes = u % 2 ? high_nibbles(v) : low_nibbles(v);
-    if constexpr (Bits == 6) codes = bytes_or(codes, top_pair(load16(block + top_bits_at(block_inputs) + 64 * (u / 4) + 16 * q), u % 4));
+    if constexpr (Bits == 6) codes = bytes_or(codes, top_pair(load16(block + top_bits_at(Block) + 64 * (u / 4) + 16 * q), u % 4));
     if constexpr (Book) codes = lookup16(codes, book);
     return codes;
   }
 }
 
-// The 16 columns of group g for M rows.
-template <int M, int Bits, bool Book>
+// The 16 columns of group g for M rows, blocks of Block inputs (known here, so the loop over a block's
+// units unrolls with every offset a constant).
+template <int M, int Bits, bool Book, int Block>
 void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, int64_t y_stride) {
   using namespace ivec;
-  const int inputs = w.block, units = w.block / 4;
+  constexpr int inputs = Block, units = Block / 4;
   const int64_t nb = w.k / inputs;
   const size_t chunk = chunk_bytes(w), codes_end = code_bytes(w);
   const uint8_t* base = w.data + static_cast<size_t>(g) * nb * chunk;
@@ -46,7 +47,7 @@ void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, in
   f32x4 out[M][4];
   for (int r = 0; r < M; ++r)
     for (int q = 0; q < 4; ++q) out[r][q] = zerof();
-  alignas(16) int16_t x[M][kBlock];
+  alignas(16) int16_t x[M][Block];
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* block = base + static_cast<size_t>(b) * chunk;
     prefetch_ahead(block, chunk, rows.stream);
@@ -58,9 +59,10 @@ void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, in
     for (int q = 0; q < 4; ++q) {
       i32x4 acc[M][2];
       for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = zero32();
+#pragma GCC unroll 8
       for (int u = 0; u < units; ++u) {
         i16x8 c0, c1;  // columns 4q, 4q + 1 and 4q + 2, 4q + 3
-        widen(quarter_codes<Bits, Book>(block, inputs, u, q, book), &c0, &c1);
+        widen(quarter_codes<Bits, Book, Block>(block, u, q, book), &c0, &c1);
         for (int r = 0; r < M; ++r) {
           const i16x8 xr = repeat4(x[r] + 4 * u);
           acc[r][0] = madd(acc[r][0], c0, xr);
@@ -93,7 +95,11 @@ void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, in
 
 template <int M, int Bits, bool Book>
 void tiles(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y, int64_t ys) {
-  for (int64_t g = g_lo; g < g_hi; ++g) tile<M, Bits, Book>(w, g, rows, y, ys);
+  if (w.block == kSmallBlock) {
+    for (int64_t g = g_lo; g < g_hi; ++g) tile<M, Bits, Book, kSmallBlock>(w, g, rows, y, ys);
+  } else {
+    for (int64_t g = g_lo; g < g_hi; ++g) tile<M, Bits, Book, kBlock>(w, g, rows, y, ys);
+  }
 }
 
 }  // namespace generic
