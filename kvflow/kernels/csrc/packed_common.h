@@ -179,6 +179,16 @@ inline void quantize_row8_scalar(const float* x, int64_t k, int block, int8_t* d
   }
 }
 
+// The row quantizers of the tiers without vector ones of their own (Generic, Neon derive from this).
+struct ScalarQuantizer {
+  static void quantize_row(const float* x, int64_t k, int block, int8_t* hi, int8_t* lo, float* scale, float* sum) {
+    quantize_row_scalar(x, k, block, hi, lo, scale, sum);
+  }
+  static void quantize_row8(const float* x, int64_t k, int block, int8_t* digits, float* scale, float* sum) {
+    quantize_row8_scalar(x, k, block, digits, scale, sum);
+  }
+};
+
 // rows_block<M> for a tier whose kernel takes one- and two-digit inputs in separate passes
 // (Tier::blocks<M, two_digits>): two digits need twice the accumulators, so at most TwoRows rows a pass.
 template <typename Tier, int TwoRows, int M>

@@ -146,15 +146,9 @@ void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, in
 
 }  // namespace neon
 
-struct Neon {
+struct Neon : ScalarQuantizer {
   static constexpr int kRows = 2;
   static constexpr int kTwoDigitRows = kRows;  // both digits in one pass
-  static void quantize_row(const float* x, int64_t k, int block, int8_t* hi, int8_t* lo, float* scale, float* sum) {
-    quantize_row_scalar(x, k, block, hi, lo, scale, sum);
-  }
-  static void quantize_row8(const float* x, int64_t k, int block, int8_t* digits, float* scale, float* sum) {
-    quantize_row8_scalar(x, k, block, digits, scale, sum);
-  }
   template <int M>
   static void rows_block(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y,
                          int64_t ys) {
