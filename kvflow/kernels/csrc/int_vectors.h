@@ -129,7 +129,8 @@ inline f32x4 fma(f32x4 a, f32x4 b, f32x4 c) {
   const __m128i low = _mm_castps_si128(_mm_shuffle_ps(_mm_castpd_ps(s_lo), _mm_castpd_ps(s_hi), _MM_SHUFFLE(2, 0, 2, 0)));
   const __m128 halfway = _mm_castsi128_ps(
       _mm_cmpeq_epi32(_mm_and_si128(low, _mm_set1_epi32(0x1fffffff)), _mm_set1_epi32(0x10000000)));
-  const __m128 tiny = _mm_cmplt_ps(_mm_andnot_ps(_mm_set1_ps(-0.f), r), _mm_set1_ps(0x1p-126f));  // zero included
+  // <=: a sum just below 2^-126 may round up to it, and its halfway points are the subnormals' (zero included)
+  const __m128 tiny = _mm_cmple_ps(_mm_andnot_ps(_mm_set1_ps(-0.f), r), _mm_set1_ps(0x1p-126f));
   if (__builtin_expect(_mm_movemask_ps(_mm_or_ps(halfway, tiny)) == 0, 1)) return r;
   return _mm_movelh_ps(_mm_cvtpd_ps(fma_to_odd(p_lo, c_lo)), _mm_cvtpd_ps(fma_to_odd(p_hi, c_hi)));
 }

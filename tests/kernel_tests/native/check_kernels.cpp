@@ -336,6 +336,9 @@ void check_exact_fma() {
           c.push_back(sign * 1.f * scale);
       a.push_back(3.f), b.push_back(sign * scale), c.push_back(-sign * 3.f * scale);  // exactly zero
     }
+    // the largest subnormal plus 2^-150 - 2^-196: the double sum is the halfway point to 2^-126
+    a.push_back(std::ldexp(1.f + one_ulp, -75)), b.push_back(std::ldexp(1.f - one_ulp, -75) * (e % 2 ? 1.f : -1.f)),
+        c.push_back((std::ldexp(1.f, -126) - std::ldexp(1.f, -149)) * (e % 2 ? 1.f : -1.f));
   }
   for (int i = 0; i < 200000; ++i) {
     a.push_back(std::ldexp(uniform(-1.f, 1.f), static_cast<int>(uniform(-70.f, 60.f))));
@@ -345,12 +348,17 @@ void check_exact_fma() {
   for (int i = 0; i < 200000; ++i)  // a matmul epilogue's: an integer sum times a scale, plus an accumulator
     a.push_back(std::round(uniform(-3e5f, 3e5f))), b.push_back(uniform(-1e-6f, 1e-6f)), c.push_back(uniform(-2.f, 2.f));
   while (a.size() % 4) a.push_back(1.f), b.push_back(1.f), c.push_back(1.f);
-  for (size_t i = 0; i < a.size(); i += 4) {
+  for (size_t i = 0; i < a.size(); i += 4) {  // four cases a vector, then each case alone in all four lanes
     float got[4];
     kvflow::ivec::store(got, kvflow::ivec::fma(kvflow::ivec::loadf(&a[i]), kvflow::ivec::loadf(&b[i]),
                                                kvflow::ivec::loadf(&c[i])));
-    for (int j = 0; j < 4; ++j)
-      if (bits_of(got[j]) != bits_of(std::fma(a[i + j], b[i + j], c[i + j]))) fail("exact fma");
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t want = bits_of(std::fma(a[i + j], b[i + j], c[i + j]));
+      float alone[4];
+      kvflow::ivec::store(alone, kvflow::ivec::fma(kvflow::ivec::splat(a[i + j]), kvflow::ivec::splat(b[i + j]),
+                                                   kvflow::ivec::splat(c[i + j])));
+      if (bits_of(got[j]) != want || bits_of(alone[0]) != want) fail("exact fma");
+    }
   }
   for (uint32_t h = 0; h < 65536; h += 16) {  // 16: the widest tier's lanes
     uint8_t bytes[32];
