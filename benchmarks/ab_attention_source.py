@@ -30,8 +30,9 @@ REPO = Path(__file__).resolve().parent.parent
 CSRC_IN_REPO = build.CSRC.relative_to(REPO)
 
 
-def library(csrc: Path, out: Path):
-    build.compile_library(build.compiler(), cpu_features.isa_tier(), csrc, out)
+def library(csrc: Path, out: Path, tier: str | None = None):
+    """The kernel sources in csrc built into out for a tier (default: this CPU's, or KVFLOW_ISA's), bound."""
+    build.compile_library(build.compiler(), tier or cpu_features.isa_tier(), csrc, out)
     return abi.bind(ctypes.CDLL(str(out)))
 
 

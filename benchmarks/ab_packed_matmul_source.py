@@ -19,17 +19,12 @@ import time
 from pathlib import Path
 
 import torch
-from ab_attention_source import sources_at
+from ab_attention_source import library, sources_at
 
-from kvflow.kernels import abi, build, cpu_features, packed_matmul
+from kvflow.kernels import build, cpu_features, packed_matmul
 from kvflow.layers.quant import quantize_weight
 
 SHAPES = ((960, 576), (3072, 576), (576, 1536))  # (n, k) of SmolLM2-135M's packed layers
-
-
-def library(csrc: Path, out: Path, tier: str):
-    build.compile_library(build.compiler(), tier, csrc, out)
-    return abi.bind(ctypes.CDLL(str(out)))
 
 
 def run(lib, weights: list, xs: list[torch.Tensor], ys: list[torch.Tensor], input_bits: int, threads: int) -> float:

@@ -56,21 +56,22 @@ def run_checks(command: list[str]) -> None:
     assert done.stdout.strip().endswith("all kernels ok"), done.stdout
 
 
-def test_this_cpu_with_the_thread_pool(tmp_path):
+def host_compiler() -> str:
     cxx = build.compiler()
     if cxx is None:
         pytest.skip("no C++ compiler")  # nothing to build; CI has g++
+    return cxx
+
+
+def test_this_cpu_with_the_thread_pool(tmp_path):
     flags = build.tier_flags(cpu_features.machine_tier())
-    run_checks([str(compile_harness(cxx, flags, tmp_path / "check", openmp=False))])
+    run_checks([str(compile_harness(host_compiler(), flags, tmp_path / "check", openmp=False))])
 
 
 @pytest.mark.parametrize("plain", [False, True], ids=["generic", "generic-plain-vectors"])
 def test_the_generic_tier(plain, tmp_path):
-    cxx = build.compiler()
-    if cxx is None:
-        pytest.skip("no C++ compiler")  # nothing to build; CI has g++
     flags = (*build.tier_flags("generic"), *(("-DKVFLOW_PLAIN_VECTORS",) if plain else ()))
-    run_checks([str(compile_harness(cxx, flags, tmp_path / "check", openmp=True))])
+    run_checks([str(compile_harness(host_compiler(), flags, tmp_path / "check", openmp=True))])
 
 
 @pytest.mark.parametrize(("cpu_flags", "openmp"), [({"asimd", "asimddp"}, False), ({"asimd", "asimddp"}, True),
