@@ -46,3 +46,24 @@ def llm_builder(loaded, **defaults):
 
 def greedy_tokens(llm: LLM, prompts: list, params: SamplingParams = GREEDY_32) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def assert_close_outputs(a_outs, b_outs, tolerance: float, ties: bool = True) -> None:
+    """Greedy tokens alike and logprobs within `tolerance` nats. Two modes that round differently may part
+    where two tokens tie (seen on the generic tier: 1e-4 nats apart; and
+    between the native decoder and bfloat16 layers: 0.016 nats); with `ties`, a parting is accepted
+    only at such a tie, each side's token within `tolerance` of the other's in both modes, and the
+    comparison of that sequence ends there."""
+    for a, b in zip(a_outs, b_outs):
+        a_ids, b_ids = a.outputs[0].token_ids, b.outputs[0].token_ids
+        assert len(a_ids) == len(b_ids)
+        for ta, tb, lp_a, lp_b in zip(a_ids, b_ids, a.outputs[0].logprobs, b.outputs[0].logprobs):
+            shared = lp_a.keys() & lp_b.keys()
+            assert shared
+            assert max(abs(lp_a[t].logprob - lp_b[t].logprob) for t in shared) < tolerance
+            if ta != tb:
+                assert ties, f"greedy tokens part: {ta} against {tb}"
+                assert {ta, tb} <= shared, "a parting that is not between the two modes' top tokens"
+                assert abs(lp_a[ta].logprob - lp_a[tb].logprob) < tolerance
+                assert abs(lp_b[ta].logprob - lp_b[tb].logprob) < tolerance
+                break

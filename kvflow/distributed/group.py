@@ -8,6 +8,7 @@ all_reduce; rank 0 alone schedules, samples and serves.
 
 from __future__ import annotations
 
+import logging
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -15,6 +16,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger("kvflow")
 
 # A collective waits this long for the other ranks. Ranks other than 0 wait for the next step between
 # requests, possibly for hours: a dead peer is seen at once (its sockets close), so the bound is only for a
@@ -120,9 +123,9 @@ def leave(together: bool = False) -> None:
                 dist.monitored_barrier(timeout=timedelta(seconds=10), wait_all_ranks=True)
             else:
                 dist.barrier()
-        except Exception:  # noqa: BLE001 - a peer already gone: leave anyway
-            pass
+        except Exception as exc:  # noqa: BLE001 - a peer already gone: leave anyway
+            log.warning("tensor-parallel group: the ranks did not meet before leaving (%s)", exc)
     try:
         dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - a broken group cannot be torn down cleanly; the process exits anyway
-        pass
+    except Exception as exc:  # noqa: BLE001 - a broken group cannot be torn down cleanly; the process exits anyway
+        log.warning("tensor-parallel group: not torn down cleanly (%s)", exc)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import PROMPTS, make_llm
+from engine_helpers import PROMPTS, assert_close_outputs, make_llm
 from gguf_files import requantize
 from hf_to_gguf import hf_to_gguf
 from tiny_models import make_tiny_checkpoint
@@ -80,26 +80,6 @@ def dense_loaded():
         make_bf16_copies(loaded.model, ROW_THRESHOLDS.layers_dense_min_rows)
         loaded.native = NativeModel.for_model(loaded.model)
     return loaded
-
-
-def assert_close_outputs(a_outs, b_outs, tolerance: float, ties: bool = True) -> None:
-    """Greedy tokens alike and logprobs within `tolerance` nats. Two modes that round differently may part
-    where two tokens tie (seen on the generic tier: 1e-4 nats apart); with `ties`, a parting is accepted
-    only at such a tie, each side's token within `tolerance` of the other's in both modes, and the
-    comparison of that sequence ends there."""
-    for a, b in zip(a_outs, b_outs):
-        a_ids, b_ids = a.outputs[0].token_ids, b.outputs[0].token_ids
-        assert len(a_ids) == len(b_ids)
-        for ta, tb, lp_a, lp_b in zip(a_ids, b_ids, a.outputs[0].logprobs, b.outputs[0].logprobs):
-            shared = lp_a.keys() & lp_b.keys()
-            assert shared
-            assert max(abs(lp_a[t].logprob - lp_b[t].logprob) for t in shared) < tolerance
-            if ta != tb:
-                assert ties, f"greedy tokens part: {ta} against {tb}"
-                assert {ta, tb} <= shared, "a parting that is not between the two modes' top tokens"
-                assert abs(lp_a[ta].logprob - lp_a[tb].logprob) < tolerance
-                assert abs(lp_b[ta].logprob - lp_b[tb].logprob) < tolerance
-                break
 
 
 def test_fast_mode_runs_the_native_decoder(fast_loaded):

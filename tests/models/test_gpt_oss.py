@@ -103,7 +103,8 @@ def test_mxfp4_experts_stay_packed_and_run_natively(tiny_checkpoints, tmp_path):
     """gpt-oss as its GGUF files ship: MXFP4 experts (4-bit indices into the E2M1 table, a power-of-two
     scale per 32), Q8_0 attention. The experts stay packed, the exact mode's logits are those of the same
     file dequantized to float32 (to the packed kernel's 16-bit input rounding), and the fast mode's native
-    decoder gives the PyTorch layers' greedy text."""
+    decoder gives the PyTorch layers' greedy text (up to a tie) and logprobs."""
+    from engine_helpers import assert_close_outputs
     from gguf_files import requantize
     from hf_to_gguf import hf_to_gguf
 
@@ -123,9 +124,11 @@ def test_mxfp4_experts_stay_packed_and_run_natively(tiny_checkpoints, tmp_path):
     assert ((ours - ref).abs().max() / ref.abs().max()).item() < 1e-3
     fast = load_model(ModelConfig(model=str(path), device="cpu"))
     assert fast.native is not None
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
     requests = [{"prompt_token_ids": p} for p in prompts]
     native = LLM(loaded_model=fast, kv_cache_memory=16 << 20, speculative_config="off").generate(requests, params)
     fast.native = None  # the same weights through the PyTorch layers
     layers = LLM(loaded_model=fast, kv_cache_memory=16 << 20, speculative_config="off").generate(requests, params)
-    assert [o.outputs[0].token_ids for o in native] == [o.outputs[0].token_ids for o in layers]
+    # Where this CPU's bfloat16 matmuls pay (measured at start-up), the layers prefill through bfloat16
+    # copies: logprobs then differ by up to 0.03 nats, and the greedy texts may part at a tie.
+    assert_close_outputs(native, layers, 5e-2)

@@ -3,9 +3,9 @@
 // dotprod, such as the Raspberry Pi 4's Cortex-A72), and plain arrays elsewhere. The generic tier is built
 // without -mavx2 or -march=native (kernels/build.py), so these are what such a CPU runs.
 //
-// Only the few operations the kernel needs: bytes to 16-bit lanes, pairs of 16-bit products summed into
-// 32-bit lanes (SSE2's pmaddwd), and a float epilogue whose fused multiply-add rounds once, as every other
-// tier's does, so the tiers' results stay bitwise equal.
+// Only the few operations the kernel needs: bytes to 16-bit lanes, 16-bit products summed into 32-bit
+// lanes (SSE2's pmaddwd; NEON's multiply-accumulate), and a float epilogue's multiply-add, fused where the
+// CPU has one (NEON's always; an x86 CPU without AVX2 rarely has FMA, and then it rounds twice).
 #pragma once
 
 #include <cmath>
@@ -55,16 +55,13 @@ inline void widen(u8x16 v, i16x8* lo, i16x8* hi) {  // bytes 0..7 and 8..15 as 1
   *lo = _mm_unpacklo_epi8(v, zero);
   *hi = _mm_unpackhi_epi8(v, zero);
 }
-// The four 16-bit values at p, twice over.
-inline i16x8 repeat4(const int16_t* p) {
-  int64_t v;
-  std::memcpy(&v, p, 8);
-  return _mm_set1_epi64x(v);
-}
-inline i32x4 zero32() { return _mm_setzero_si128(); }
-inline i32x4 madd(i32x4 acc, i16x8 a, i16x8 b) { return _mm_add_epi32(acc, _mm_madd_epi16(a, b)); }
-// [a0 + a1, a2 + a3, b0 + b1, b2 + b3]
-inline i32x4 pair_sums(i32x4 a, i32x4 b) {
+inline i16x8 load8(const int16_t* p) { return _mm_load_si128(reinterpret_cast<const __m128i*>(p)); }  // 16-byte aligned
+// Two columns' dot products so far (a's lanes 0-3 are one column's, 4-7 the next's): pmaddwd's pair sums.
+using dots = __m128i;
+inline dots zero_dots() { return _mm_setzero_si128(); }
+inline dots add_products(dots acc, i16x8 a, i16x8 b) { return _mm_add_epi32(acc, _mm_madd_epi16(a, b)); }
+// The four columns' sums from two columns' dots each: [a0 + a1, a2 + a3, b0 + b1, b2 + b3]
+inline i32x4 column_sums(dots a, dots b) {
   const __m128 fa = _mm_castsi128_ps(a), fb = _mm_castsi128_ps(b);
   return _mm_add_epi32(_mm_castps_si128(_mm_shuffle_ps(fa, fb, _MM_SHUFFLE(2, 0, 2, 0))),
                        _mm_castps_si128(_mm_shuffle_ps(fa, fb, _MM_SHUFFLE(3, 1, 3, 1))));
@@ -95,45 +92,13 @@ inline f32x4 halves(const uint8_t* p) {
 }
 
 #if defined(__FMA__)
-inline f32x4 fma(f32x4 a, f32x4 b, f32x4 c) { return _mm_fmadd_ps(a, b, c); }
+inline f32x4 multiply_add(f32x4 a, f32x4 b, f32x4 c) { return _mm_fmadd_ps(a, b, c); }
 #else
-// a * b + c rounded once, without an FMA unit. The product is exact in double, so the double sum s is the
-// exact sum rounded once, and rounding s to float rounds twice. That is still the exact sum's float unless s
-// is a halfway point between two floats (the low 29 bits of its mantissa 1 followed by zeros) or below the
-// normal float range, where the halfway points lie elsewhere (zero is counted there too: one test): rare, so
-// then the four lanes take the exact way (fma_to_odd), and otherwise a plain conversion.
-inline __m128d fma_to_odd(__m128d p, __m128d c) {
-  // s rounded to odd: kept if exact or already odd, else moved one unit toward the exact sum (TwoSum's
-  // error term says which way); a double rounded to odd rounds to float as the exact value does
-  // (53 >= 24 + 2 bits).
-  const __m128d s = _mm_add_pd(p, c);
-  const __m128d bb = _mm_sub_pd(s, p);
-  const __m128d err = _mm_add_pd(_mm_sub_pd(p, _mm_sub_pd(s, bb)), _mm_sub_pd(c, bb));
-  const __m128i bits = _mm_castpd_si128(s);
-  const __m128i inexact = _mm_castpd_si128(_mm_cmpneq_pd(err, _mm_setzero_pd()));
-  const __m128i even = _mm_shuffle_epi32(_mm_cmpeq_epi32(_mm_and_si128(bits, _mm_set1_epi64x(1)), _mm_setzero_si128()),
-                                         _MM_SHUFFLE(2, 2, 0, 0));
-  // -1 where err and s differ in sign (the exact sum is nearer zero), else +1
-  const __m128i away = _mm_shuffle_epi32(_mm_srai_epi32(_mm_xor_si128(_mm_castpd_si128(err), bits), 31),
-                                         _MM_SHUFFLE(3, 3, 1, 1));
-  const __m128i step = _mm_or_si128(away, _mm_set1_epi64x(1));
-  return _mm_castsi128_pd(_mm_add_epi64(bits, _mm_and_si128(step, _mm_and_si128(inexact, even))));
-}
-inline f32x4 fma(f32x4 a, f32x4 b, f32x4 c) {
-  const __m128d p_lo = _mm_mul_pd(_mm_cvtps_pd(a), _mm_cvtps_pd(b)), c_lo = _mm_cvtps_pd(c);
-  const __m128d p_hi = _mm_mul_pd(_mm_cvtps_pd(_mm_movehl_ps(a, a)), _mm_cvtps_pd(_mm_movehl_ps(b, b)));
-  const __m128d c_hi = _mm_cvtps_pd(_mm_movehl_ps(c, c));
-  const __m128d s_lo = _mm_add_pd(p_lo, c_lo), s_hi = _mm_add_pd(p_hi, c_hi);
-  const __m128 r = _mm_movelh_ps(_mm_cvtpd_ps(s_lo), _mm_cvtpd_ps(s_hi));
-  // the four sums' low 32 bits: halfway where the low 29 are 1 followed by zeros
-  const __m128i low = _mm_castps_si128(_mm_shuffle_ps(_mm_castpd_ps(s_lo), _mm_castpd_ps(s_hi), _MM_SHUFFLE(2, 0, 2, 0)));
-  const __m128 halfway = _mm_castsi128_ps(
-      _mm_cmpeq_epi32(_mm_and_si128(low, _mm_set1_epi32(0x1fffffff)), _mm_set1_epi32(0x10000000)));
-  // <=: a sum just below 2^-126 may round up to it, and its halfway points are the subnormals' (zero included)
-  const __m128 tiny = _mm_cmple_ps(_mm_andnot_ps(_mm_set1_ps(-0.f), r), _mm_set1_ps(0x1p-126f));
-  if (__builtin_expect(_mm_movemask_ps(_mm_or_ps(halfway, tiny)) == 0, 1)) return r;
-  return _mm_movelh_ps(_mm_cvtpd_ps(fma_to_odd(p_lo, c_lo)), _mm_cvtpd_ps(fma_to_odd(p_hi, c_hi)));
-}
+// No fused multiply-add: the product is rounded, then the sum. The generic x86 tier's results may then
+// differ from the other tiers' in the last bits (an exact emulation through double, held to std::fma on
+// 400,000 cases, cost this kernel 40% of its time: benchmarks/RESULTS.md, session 30).
+#define KVFLOW_IVEC_ROUNDS_TWICE 1
+inline f32x4 multiply_add(f32x4 a, f32x4 b, f32x4 c) { return _mm_add_ps(_mm_mul_ps(a, b), c); }
 #endif
 
 #elif defined(KVFLOW_IVEC_NEON)
@@ -156,15 +121,19 @@ inline void widen(u8x16 v, i16x8* lo, i16x8* hi) {
   *lo = vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(v)));
   *hi = vreinterpretq_s16_u16(vmovl_high_u8(v));
 }
-inline i16x8 repeat4(const int16_t* p) {
-  const int16x4_t v = vld1_s16(p);
-  return vcombine_s16(v, v);
+inline i16x8 load8(const int16_t* p) { return vld1q_s16(p); }
+// Two columns' dot products so far, one product a lane (a multiply-accumulate each, no pairing until the
+// block ends): a block's lane sums 8 products below 2^23 at most.
+struct dots {
+  int32x4_t first, second;
+};
+inline dots zero_dots() { return {vdupq_n_s32(0), vdupq_n_s32(0)}; }
+inline dots add_products(dots acc, i16x8 a, i16x8 b) {
+  return {vmlal_s16(acc.first, vget_low_s16(a), vget_low_s16(b)), vmlal_high_s16(acc.second, a, b)};
 }
-inline i32x4 zero32() { return vdupq_n_s32(0); }
-inline i32x4 madd(i32x4 acc, i16x8 a, i16x8 b) {
-  return vaddq_s32(acc, vpaddq_s32(vmull_s16(vget_low_s16(a), vget_low_s16(b)), vmull_high_s16(a, b)));
+inline i32x4 column_sums(dots a, dots b) {
+  return vpaddq_s32(vpaddq_s32(a.first, a.second), vpaddq_s32(b.first, b.second));
 }
-inline i32x4 pair_sums(i32x4 a, i32x4 b) { return vpaddq_s32(a, b); }
 
 inline f32x4 to_float(i32x4 v) { return vcvtq_f32_s32(v); }
 inline f32x4 splat(float x) { return vdupq_n_f32(x); }
@@ -179,7 +148,7 @@ inline f32x4 bytes4(const uint8_t* p) {
   return vcvtq_f32_u32(vmovl_u16(vget_low_u16(vmovl_u8(vreinterpret_u8_u32(vdup_n_u32(v))))));
 }
 inline f32x4 halves(const uint8_t* p) { return vcvt_f32_f16(vreinterpret_f16_u8(vld1_u8(p))); }
-inline f32x4 fma(f32x4 a, f32x4 b, f32x4 c) { return vfmaq_f32(c, a, b); }
+inline f32x4 multiply_add(f32x4 a, f32x4 b, f32x4 c) { return vfmaq_f32(c, a, b); }
 
 #else  // plain C++: the same operations lane by lane
 
@@ -200,13 +169,16 @@ inline u8x16 lookup16(u8x16 a, const uint8_t* table) { for (auto& x : a.v) x = t
 inline void widen(u8x16 v, i16x8* lo, i16x8* hi) {
   for (int i = 0; i < 8; ++i) lo->v[i] = v.v[i], hi->v[i] = v.v[8 + i];
 }
-inline i16x8 repeat4(const int16_t* p) { i16x8 r; for (int i = 0; i < 8; ++i) r.v[i] = p[i % 4]; return r; }
-inline i32x4 zero32() { return {}; }
-inline i32x4 madd(i32x4 acc, i16x8 a, i16x8 b) {
+inline i16x8 load8(const int16_t* p) { i16x8 r; std::memcpy(r.v, p, 16); return r; }
+using dots = i32x4;
+inline dots zero_dots() { return {}; }
+inline dots add_products(dots acc, i16x8 a, i16x8 b) {
   for (int i = 0; i < 4; ++i) acc.v[i] += a.v[2 * i] * b.v[2 * i] + a.v[2 * i + 1] * b.v[2 * i + 1];
   return acc;
 }
-inline i32x4 pair_sums(i32x4 a, i32x4 b) { return {{a.v[0] + a.v[1], a.v[2] + a.v[3], b.v[0] + b.v[1], b.v[2] + b.v[3]}}; }
+inline i32x4 column_sums(dots a, dots b) {
+  return {{a.v[0] + a.v[1], a.v[2] + a.v[3], b.v[0] + b.v[1], b.v[2] + b.v[3]}};
+}
 
 inline f32x4 to_float(i32x4 a) { f32x4 r; for (int i = 0; i < 4; ++i) r.v[i] = static_cast<float>(a.v[i]); return r; }
 inline f32x4 splat(float x) { return {{x, x, x, x}}; }
@@ -225,7 +197,7 @@ inline f32x4 halves(const uint8_t* p) {
   }
   return r;
 }
-inline f32x4 fma(f32x4 a, f32x4 b, f32x4 c) {
+inline f32x4 multiply_add(f32x4 a, f32x4 b, f32x4 c) {
   for (int i = 0; i < 4; ++i) c.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
   return c;
 }

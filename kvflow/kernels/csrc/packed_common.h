@@ -1,8 +1,8 @@
 // What every tier of the packed matmul shares: the layout's sizes, the rows' input digits, prefetching,
 // and the loop over column groups and rows. A tier supplies a Kernel (packed_vnni.h, packed_avx2.h,
-// packed_neon.h, packed_scalar.h) with quantize_row and rows_block<M>; all tiers compute the same exact
+// packed_neon.h, packed_generic.h) with quantize_row and rows_block<M>; all tiers compute the same exact
 // integer block sums and the same float epilogue, operation for operation, so their results are bitwise
-// equal.
+// equal (but for the generic tier on x86 without FMA, whose multiply-adds round twice).
 #pragma once
 
 #include <cmath>
@@ -43,10 +43,12 @@ struct Rows {  // the rows' inputs as digits h, l (int8 [m, k]; lo null for 8-bi
   const float* sum;
   int64_t blocks;
   bool stream = false;  // one pass takes every row: each weight byte is read once (prefetch_ahead)
+  // The generic tier's: the inputs again as 16-bit integers 256 h + l, each 4 twice over (2 stride a row)
+  const int16_t* wide = nullptr;
 
   Rows from(int r0) const {  // the rows from r0 on
     return {hi + r0 * stride, lo ? lo + r0 * stride : nullptr, stride, scale + r0 * blocks, sum + r0 * blocks, blocks,
-            stream};
+            stream, wide ? wide + 2 * r0 * stride : nullptr};
   }
 };
 

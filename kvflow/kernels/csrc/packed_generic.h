@@ -2,13 +2,16 @@
 // other CPU, through int_vectors.h's 128-bit operations (SSE2, NEON, or plain C++).
 //
 // A row's two input digits are one 16-bit integer again here, x = 256 h + l (|x| <= kMaxInt fits 16
-// bits), so one pmaddwd-like step multiplies 8 codes (widened to 16 bits) by 8 inputs and sums the pairs
-// into 32-bit lanes: a block's sum of 32 products of codes below 256 and inputs below 2^15 stays below
-// 2^31, and equals 256 dot(h) + dot(l), the other tiers' exact sum. The float epilogue is theirs, lane for
-// lane, fused multiply-adds included: the result is bitwise the same.
+// bits; Generic::widened makes them once a call), so one pmaddwd-like step multiplies 8 codes (widened to
+// 16 bits) by 8 inputs into 32-bit lanes: a block's sum of 32 products of codes below 256 and inputs below
+// 2^15 stays below 2^31, and equals 256 dot(h) + dot(l), the other tiers' exact sum. The float epilogue is
+// theirs, lane for lane: with a fused multiply-add (NEON, or an x86 CPU with FMA) the result is bitwise
+// the same; without one (most x86 CPUs without AVX2), each multiply-add rounds twice and the result may
+// differ in the last bits (tests/kernel_tests/test_tiers.py bounds it).
 #pragma once
 
 #include <cstring>
+#include <vector>
 
 #include "int_vectors.h"
 #include "packed_common.h"
@@ -47,26 +50,21 @@ void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, in
   f32x4 out[M][4];
   for (int r = 0; r < M; ++r)
     for (int q = 0; q < 4; ++q) out[r][q] = zerof();
-  alignas(16) int16_t x[M][Block];
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* block = base + static_cast<size_t>(b) * chunk;
     prefetch_ahead(block, chunk, rows.stream);
-    for (int r = 0; r < M; ++r) {
-      const int8_t* h = rows.hi + r * rows.stride + b * inputs;
-      const int8_t* l = rows.lo ? rows.lo + r * rows.stride + b * inputs : nullptr;
-      for (int i = 0; i < inputs; ++i) x[r][i] = static_cast<int16_t>(l ? h[i] * 256 + l[i] : h[i]);
-    }
+    const int16_t* x = rows.wide + 2 * b * inputs;  // row r's at x + 2 r stride
     for (int q = 0; q < 4; ++q) {
-      i32x4 acc[M][2];
-      for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = zero32();
+      dots acc[M][2];
+      for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = zero_dots();
 #pragma GCC unroll 8
       for (int u = 0; u < units; ++u) {
         i16x8 c0, c1;  // columns 4q, 4q + 1 and 4q + 2, 4q + 3
         widen(quarter_codes<Bits, Book, Block>(block, u, q, book), &c0, &c1);
         for (int r = 0; r < M; ++r) {
-          const i16x8 xr = repeat4(x[r] + 4 * u);
-          acc[r][0] = madd(acc[r][0], c0, xr);
-          acc[r][1] = madd(acc[r][1], c1, xr);
+          const i16x8 xr = load8(x + 2 * r * rows.stride + 8 * u);
+          acc[r][0] = add_products(acc[r][0], c0, xr);
+          acc[r][1] = add_products(acc[r][1], c1, xr);
         }
       }
       f32x4 scale, offset;
@@ -79,9 +77,9 @@ void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, in
         offset = w.has_offset ? halves(block + codes_end + 32 + 8 * q) : mul(scale, minus_centre);
       }
       for (int r = 0; r < M; ++r) {
-        const f32x4 dot = to_float(pair_sums(acc[r][0], acc[r][1]));
-        out[r][q] = fma(dot, mul(scale, splat(rows.scale[r * rows.blocks + b])), out[r][q]);
-        if (any_offset) out[r][q] = fma(offset, splat(rows.sum[r * rows.blocks + b]), out[r][q]);
+        const f32x4 dot = to_float(column_sums(acc[r][0], acc[r][1]));
+        out[r][q] = multiply_add(dot, mul(scale, splat(rows.scale[r * rows.blocks + b])), out[r][q]);
+        if (any_offset) out[r][q] = multiply_add(offset, splat(rows.sum[r * rows.blocks + b]), out[r][q]);
       }
     }
   }
@@ -107,6 +105,27 @@ void tiles(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& 
 struct Generic : ScalarQuantizer {
   static constexpr int kRows = 4;
   static constexpr int kTwoDigitRows = kRows;  // both digits in one pass
+  // Rows with their inputs as 16-bit integers (Rows::wide), each unit of 4 twice over as one 16-bit step
+  // takes it: made once a call, not once per column group. Valid until this thread's next call.
+  static Rows widened(const Rows& rows, int m) {
+    thread_local std::vector<int16_t> buffer;
+    const int64_t k = rows.stride;
+    buffer.resize(static_cast<size_t>(2 * m * k + 8));
+    const size_t past = reinterpret_cast<uintptr_t>(buffer.data()) % 16 / sizeof(int16_t);
+    int16_t* wide = buffer.data() + (8 - past) % 8;  // 16-byte aligned (load8)
+    for (int r = 0; r < m; ++r) {
+      const int8_t* h = rows.hi + r * k;
+      const int8_t* l = rows.lo ? rows.lo + r * k : nullptr;
+      int16_t* out = wide + 2 * r * k;
+      for (int64_t i = 0; i < k; ++i) {
+        const auto x = static_cast<int16_t>(l ? h[i] * 256 + l[i] : h[i]);
+        out[8 * (i / 4) + i % 4] = out[8 * (i / 4) + i % 4 + 4] = x;
+      }
+    }
+    Rows out = rows;
+    out.wide = wide;
+    return out;
+  }
   template <int M>
   static void rows_block(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y,
                          int64_t ys) {

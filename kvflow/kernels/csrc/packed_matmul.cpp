@@ -12,7 +12,8 @@
 // by the column's weight scale times the block's input scale, and offset times input sum is added.
 // Work is split by output columns only, so each column's sum runs in the same order whatever the row
 // count or thread count: a row's result does not depend on the batch. Every tier computes the same exact
-// integer sums and the same float epilogue, so the tiers' results are bitwise equal (tests hold them to it).
+// integer sums and the same float epilogue, so the tiers' results are bitwise equal (tests hold them to it),
+// but for the generic tier on x86 without FMA: there each multiply-add rounds twice (packed_generic.h).
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -42,6 +43,7 @@ constexpr int32_t kPath = 3;
 #include "packed_generic.h"
 using Kernel = kvflow::packed::Generic;
 constexpr int32_t kPath = 1;
+#define KVFLOW_WIDE_INPUTS 1
 #endif
 
 using kvflow::packed::kBlock;
@@ -60,6 +62,16 @@ void quantize_inputs(const float* x, int64_t x_stride, int rows, int64_t k, int 
     else
       Kernel::quantize_row(x + r * x_stride, k, block, hi + r * k, lo + r * k, scale + r * nb, sum + r * nb);
   }
+}
+
+// The rows as the kernel reads them: the generic one takes 16-bit inputs, made once a call (Rows::wide).
+Rows for_kernel(const Rows& rows, int m) {
+#if defined(KVFLOW_WIDE_INPUTS)
+  return Kernel::widened(rows, m);
+#else
+  (void)m;
+  return rows;
+#endif
 }
 
 }  // namespace
@@ -108,7 +120,7 @@ extern "C" int32_t kvflow_packed_matmul(const KvflowPackedWeight* w, const float
     std::memset(scale + r * nb, 0, sizeof(float) * nb);
     std::memset(sum + r * nb, 0, sizeof(float) * nb);
   }
-  const Rows rows{hi, eight ? nullptr : lo, w->k, scale, sum, nb};
+  const Rows rows = for_kernel({hi, eight ? nullptr : lo, w->k, scale, sum, nb}, m);
   const int64_t groups = (w->n + 15) / 16;
   // A thread team costs a few microseconds to wake: only tiny matrices run on the calling thread. One
   // thread streams weights from DRAM at about half the rate two do, so even a decode step's smaller
@@ -162,7 +174,7 @@ extern "C" int32_t kvflow_packed_matmul_many(const KvflowPackedWeight* w, int32_
   float* scale = block_stats.data();
   float* sum = scale + static_cast<size_t>(inputs) * nb;
   quantize_inputs(x, x_stride, static_cast<int>(inputs), k, block, eight, hi, lo, scale, sum);
-  const Rows all{hi, eight ? nullptr : lo, k, scale, sum, nb};
+  const Rows all = for_kernel({hi, eight ? nullptr : lo, k, scale, sum, nb}, static_cast<int>(inputs));
   const int64_t total = cost[count];
   const int64_t* const starts = cost.data();
   const int64_t* const row0 = first_row.data();
