@@ -50,8 +50,7 @@ def greedy_tokens(llm: LLM, prompts: list, params: SamplingParams = GREEDY_32) -
 
 def assert_close_outputs(a_outs, b_outs, tolerance: float, ties: bool = True) -> None:
     """Greedy tokens alike and logprobs within `tolerance` nats. Two modes that round differently may part
-    where two tokens tie (seen on the generic tier: 1e-4 nats apart; and
-    between the native decoder and bfloat16 layers: 0.016 nats); with `ties`, a parting is accepted
+    where two tokens tie (seen on the generic tier: 1e-4 nats apart); with `ties`, a parting is accepted
     only at such a tie, each side's token within `tolerance` of the other's in both modes, and the
     comparison of that sequence ends there."""
     for a, b in zip(a_outs, b_outs):
