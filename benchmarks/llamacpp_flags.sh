@@ -1,8 +1,8 @@
 # The peer's build flags by LLAMACPP_ISA (sourced by setup_llamacpp.sh and setup_llama_server.sh):
 #   native  GGML_NATIVE=ON: every feature of this CPU (the default)
 #   avx2    AVX2 + FMA + F16C only, no AVX-512 or AMX: the peer for kvflow's KVFLOW_ISA=avx2 on a bigger CPU
-#   sse     SSE up to 4.2, no AVX at all (x86-64 CPUs before AVX2, and VMs that hide it): the peer for
-#           kvflow's KVFLOW_ISA=generic on x86
+#   sse     SSE only (llama.cpp then reports SSE3 and SSSE3), no AVX at all (x86-64 CPUs before AVX2, and
+#           VMs that hide it): the peer for kvflow's KVFLOW_ISA=generic on x86
 case "${LLAMACPP_ISA:-native}" in
     native)
         isa_flags="-DGGML_NATIVE=ON"

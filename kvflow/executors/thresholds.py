@@ -50,7 +50,7 @@ class RowThresholds:
     eight_bit_prompt_min_rows: int = 128
 
     def eight_bit_min_rows(self, tier: str) -> int:
-        if tier == "neon" and "asimddp" not in cpu_features.cpu_flags():
+        if tier == "neon" and not cpu_features.has_dotprod():
             tier = "generic"  # ARMv8.0: the generic kernel on NEON vectors
         return dict(self.eight_bit_min_rows_by_tier).get(tier, 0)
 

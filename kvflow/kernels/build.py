@@ -43,7 +43,7 @@ def tier_flags(tier: str, machine: str | None = None, flags: frozenset[str] | No
     flags = cpu_features.cpu_flags() if flags is None else flags
     if machine in ("aarch64", "arm64"):
         if tier == "neon":
-            return ("-march=armv8.2-a+dotprod",) if "asimddp" in flags else ("-march=armv8-a",)
+            return ("-march=armv8.2-a+dotprod",) if cpu_features.has_dotprod(flags) else ("-march=armv8-a",)
         return ("-march=armv8-a",)
     base = ("-march=x86-64",)
     if tier == "avx2":

@@ -3,9 +3,10 @@
 Tiers, lowest first. x86: generic (x86-64's baseline, SSE2), avx2 (AVX2 + FMA + F16C), avx512 (AVX-512
 F/BW/VL with VNNI), amx (AVX-512 plus AMX int8 and bf16 tiles). ARM (aarch64): generic, neon (Advanced
 SIMD; its packed dot products use `vdotq_s32` where the dotprod extension is there, and the generic
-kernel's 16-bit multiplies on NEON vectors where it is not). Other CPUs: generic, in plain C++. `KVFLOW_ISA=<tier>` forces a
-lower tier than the machine's, so every tier below it can be tested and measured on one machine; a
-higher one is refused. kernels/build compiles one library per tier, with exactly that tier's flags.
+kernel's 16-bit multiplies on NEON vectors where it is not). Other CPUs: generic, in plain C++.
+`KVFLOW_ISA=<tier>` forces a lower tier than the machine's, so every tier below it can be tested and
+measured on one machine; a higher one is refused. kernels/build compiles one library per tier, with exactly
+that tier's flags.
 """
 
 from __future__ import annotations
@@ -63,6 +64,11 @@ def machine_tier(flags: frozenset[str] | None = None) -> str:
         if _NEEDS[tier] <= flags:
             best = tier
     return best
+
+
+def has_dotprod(flags: frozenset[str] | None = None) -> bool:
+    """ARM's dotprod extension (vdotq_s32): without it the neon tier's library runs the generic kernel."""
+    return "asimddp" in (cpu_flags() if flags is None else flags)
 
 
 def runnable_tiers() -> tuple[str, ...]:

@@ -15,6 +15,7 @@
 
 #include "int_vectors.h"
 #include "packed_common.h"
+#include "quarter_scales.h"
 
 namespace kvflow::packed {
 
@@ -42,7 +43,7 @@ void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, in
   using namespace ivec;
   constexpr int inputs = Block, units = Block / 4;
   const int64_t nb = w.k / inputs;
-  const size_t chunk = chunk_bytes(w), codes_end = code_bytes(w);
+  const size_t chunk = chunk_bytes(w);
   const uint8_t* base = w.data + static_cast<size_t>(g) * nb * chunk;
   const uint8_t* book = kCodebook[w.codebook];
   const bool any_offset = w.has_offset || w.centre;
@@ -68,14 +69,7 @@ void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, in
         }
       }
       f32x4 scale, offset;
-      if (w.super_scales) {  // d * sc, -(dmin * m) (kvflow_cpu.h)
-        const uint8_t* d = super_at(w, g, b) + 8 * q;
-        scale = mul(halves(d), bytes4(block + codes_end + 4 * q));
-        offset = neg(mul(halves(d + 32), bytes4(block + codes_end + 16 + 4 * q)));
-      } else {
-        scale = halves(block + codes_end + 8 * q);
-        offset = w.has_offset ? halves(block + codes_end + 32 + 8 * q) : mul(scale, minus_centre);
-      }
+      quarter_scales(w, g, b, block, q, minus_centre, &scale, &offset);
       for (int r = 0; r < M; ++r) {
         const f32x4 dot = to_float(column_sums(acc[r][0], acc[r][1]));
         out[r][q] = multiply_add(dot, mul(scale, splat(rows.scale[r * rows.blocks + b])), out[r][q]);

@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "packed_common.h"
+#include "quarter_scales.h"
 
 namespace kvflow::packed {
 
@@ -22,22 +23,12 @@ inline int8x16_t broadcast4(const int8_t* p) {  // four input digits, in every 3
   return vreinterpretq_s8_s32(vdupq_n_s32(v));
 }
 
-inline float32x4_t halves(const uint8_t* p) {  // four float16 values
-  return vcvt_f32_f16(vreinterpret_f16_u8(vld1_u8(p)));
-}
-
-inline float32x4_t bytes4(const uint8_t* p) {  // four unsigned bytes as floats
-  uint32_t v;
-  std::memcpy(&v, p, 4);
-  return vcvtq_f32_u32(vmovl_u16(vget_low_u16(vmovl_u8(vreinterpret_u8_u32(vdup_n_u32(v))))));
-}
-
 // The 16 columns of group g for M rows.
 template <int M>
 void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, int64_t y_stride) {
   const int64_t nb = w.k / w.block;
-  const size_t chunk = chunk_bytes(w), codes_end = code_bytes(w);
-  const bool has_offset = w.has_offset != 0, any_offset = has_offset || w.centre != 0, eight_bit = w.bits == 8,
+  const size_t chunk = chunk_bytes(w);
+  const bool any_offset = w.has_offset != 0 || w.centre != 0, eight_bit = w.bits == 8,
              six_bit = w.bits == 6, two = rows.lo != nullptr;
   const float32x4_t minus_centre = vdupq_n_f32(-static_cast<float>(w.centre));
   const uint8_t* base = w.data + static_cast<size_t>(g) * nb * chunk;
@@ -117,14 +108,7 @@ void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, in
     }
     for (int q = 0; q < 4; ++q) {
       float32x4_t scale, offset;
-      if (w.super_scales) {  // d * sc, -(dmin * m) (kvflow_cpu.h)
-        const uint8_t* d = super_at(w, g, b) + 8 * q;
-        scale = vmulq_f32(halves(d), bytes4(block + codes_end + 4 * q));
-        offset = vnegq_f32(vmulq_f32(halves(d + 32), bytes4(block + codes_end + 16 + 4 * q)));
-      } else {
-        scale = halves(block + codes_end + 8 * q);
-        offset = has_offset ? halves(block + codes_end + 32 + 8 * q) : vmulq_f32(scale, minus_centre);
-      }
+      quarter_scales(w, g, b, block, q, minus_centre, &scale, &offset);
       for (int r = 0; r < M; ++r) {
         const int32x4_t dot = two ? vaddq_s32(vshlq_n_s32(dot_h[r][q], 8), dot_l[r][q]) : dot_h[r][q];
         const float32x4_t col_scale = vmulq_f32(scale, vdupq_n_f32(rows.scale[r * rows.blocks + b]));
