@@ -30,9 +30,9 @@ REPO = Path(__file__).resolve().parent.parent
 CSRC_IN_REPO = build.CSRC.relative_to(REPO)
 
 
-def library(csrc: Path, out: Path, tier: str | None = None):
+def library(csrc: Path, out: Path, tier: str | None = None, extra_flags: tuple[str, ...] = ()):
     """The kernel sources in csrc built into out for a tier (default: this CPU's, or KVFLOW_ISA's), bound."""
-    build.compile_library(build.compiler(), tier or cpu_features.isa_tier(), csrc, out)
+    build.compile_library(build.compiler(), tier or cpu_features.isa_tier(), csrc, out, extra_flags=extra_flags)
     return abi.bind(ctypes.CDLL(str(out)))
 
 

@@ -7,7 +7,10 @@ calls alternated, medians printed in microseconds, and the outputs compared (bit
 apart relative to the largest).
 
     python benchmarks/ab_packed_matmul_source.py --base HEAD [--tier generic] [--rows 1,4,64]
-        [--threads 2] [--rounds 30] [--input-bits 16]
+        [--threads 2] [--rounds 30] [--input-bits 16] [--bits 4] [--avx2-vnni]
+
+--avx2-vnni builds the working tree's avx2 library with the VNNI path (build.AVX2_VNNI_EVEX_FLAGS), to
+compare it with plain AVX2 (--base HEAD --tier avx2) on a CPU with AVX-512 but not AVX-VNNI.
 """
 
 from __future__ import annotations
@@ -46,17 +49,22 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--input-bits", type=int, default=16, choices=(8, 16))
+    ap.add_argument("--bits", type=int, default=4, choices=(4, 6, 8), help="the weights' code width")
+    ap.add_argument("--avx2-vnni", action="store_true", help="the working tree with the AVX2 tier's VNNI path")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvflow-ab-"))
+    tree_flags = build.AVX2_VNNI_EVEX_FLAGS if args.avx2_vnni else ()
     libs = {args.base: library(sources_at(args.base, work / "base"), work / "base.so", args.tier),
-            "working tree": library(build.CSRC, work / "tree.so", args.tier)}
+            "working tree": library(build.CSRC, work / "tree.so", args.tier, tree_flags)}
     g = torch.Generator().manual_seed(0)
     weights = []
     for n, k in SHAPES:
-        bq = quantize_weight(torch.randn(n, k, generator=g) * 0.05, "int4", 32)
-        weights.append(packed_matmul.pack(bq.q, bq.scale.half().float(), bq.offset.half().float(), bq.group_size,
-                                          bq.bits))
-    print(f"packed matmul, tier {args.tier} ({cpu_features.cpu_name()}), {args.threads} threads, "
+        bq = quantize_weight(torch.randn(n, k, generator=g) * 0.05, "int4" if args.bits == 4 else "int8", 32)
+        q = bq.q >> 2 if args.bits == 6 else bq.q  # 6-bit codes: the 8-bit ones' top six bits
+        offset = bq.offset.half().float() if args.bits == 4 else -128.0 * bq.scale.half().float()
+        weights.append(packed_matmul.pack(q, bq.scale.half().float(), offset, bq.group_size, args.bits))
+    print(f"packed matmul, tier {args.tier}{' (tree: VNNI path)' if args.avx2_vnni else ''} "
+          f"({cpu_features.cpu_name()}), {args.threads} threads, {args.bits}-bit codes, "
           f"{args.input_bits}-bit inputs; median of {args.rounds} rounds, microseconds for the three layers")
     print(f"| rows | {args.base} | working tree | base / tree | outputs |\n|---|---|---|---|---|")
     for m in (int(r) for r in args.rows.split(",")):

@@ -35,6 +35,10 @@ COMMON_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-Wno-maybe-uninitializ
 _X86_AVX2 = ("-mavx", "-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2", "-mpopcnt")
 _X86_AVX512 = _X86_AVX2 + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512cd", "-mavx512vnni")
 _X86_AMX = _X86_AVX512 + ("-mavx512bf16", "-mamx-tile", "-mamx-int8", "-mamx-bf16")
+# The AVX2 tier's VNNI path (csrc/packed_avx2_vnni.h) in AVX512-VNNI's EVEX form of the same instruction,
+# registers 16 to 31 left unused as AVX-VNNI has none: how a CPU with AVX-512 but not AVX-VNNI (an AMD
+# EPYC Zen 4) tests that path and measures it. For tests and benchmarks; a library for use never has it.
+AVX2_VNNI_EVEX_FLAGS = ("-DKVFLOW_AVX2_VNNI_EVEX", *(f"-ffixed-xmm{i}" for i in range(16, 32)))
 
 
 def tier_flags(tier: str, machine: str | None = None, flags: frozenset[str] | None = None) -> tuple[str, ...]:
@@ -46,8 +50,8 @@ def tier_flags(tier: str, machine: str | None = None, flags: frozenset[str] | No
             return ("-march=armv8.2-a+dotprod",) if cpu_features.has_dotprod(flags) else ("-march=armv8-a",)
         return ("-march=armv8-a",)
     base = ("-march=x86-64",)
-    if tier == "avx2":
-        return base + _X86_AVX2
+    if tier == "avx2":  # AVX-VNNI where the CPU has it (Intel Core from Alder Lake on): packed_avx2_vnni.h
+        return base + _X86_AVX2 + (("-mavxvnni",) if "avx_vnni" in flags else ())
     if tier == "avx512":  # AVX512-BF16 where the CPU has it: the dense path's bfloat16 conversions
         return base + _X86_AVX512 + (("-mavx512bf16",) if "avx512_bf16" in flags else ())
     if tier == "amx":
@@ -71,8 +75,11 @@ def compiler() -> str | None:
 
 
 def compile_flags(tier: str, openmp: bool = True) -> tuple[str, ...]:
+    """A tier's flags, then $KVFLOW_KERNEL_FLAGS (space-separated; for measuring a variant end to end, as
+    `KVFLOW_ISA=avx2 KVFLOW_KERNEL_FLAGS="$(python -m kvflow.kernels.build --avx2-vnni-evex)"`). They name
+    the library too, so a variant never replaces the plain build."""
     threading = ("-fopenmp",) if openmp else ("-DKVFLOW_NO_OPENMP", "-pthread")
-    return (*COMMON_FLAGS, *tier_flags(tier), *threading)
+    return (*COMMON_FLAGS, *tier_flags(tier), *threading, *os.environ.get("KVFLOW_KERNEL_FLAGS", "").split())
 
 
 @functools.cache
@@ -91,10 +98,11 @@ def _library_path(cxx: str, tier: str, openmp: bool) -> Path:
     return cache_dir() / f"libkvflow_cpu-{tier}{suffix}-{digest.hexdigest()[:16]}.so"
 
 
-def compile_library(cxx: str, tier: str, csrc: Path, out: Path, openmp: bool = True) -> None:
+def compile_library(cxx: str, tier: str, csrc: Path, out: Path, openmp: bool = True,
+                    extra_flags: tuple[str, ...] = ()) -> None:
     """Compile the kernel sources in `csrc` (this package's, or another version of them) into `out`."""
-    subprocess.run([cxx, *compile_flags(tier, openmp), *[str(csrc / name) for name in SOURCES], "-o", str(out)],
-                   check=True, capture_output=True, text=True)
+    subprocess.run([cxx, *compile_flags(tier, openmp), *extra_flags, *[str(csrc / name) for name in SOURCES], "-o",
+                    str(out)], check=True, capture_output=True, text=True)
 
 
 def build(cxx: str, tier: str, openmp: bool = True) -> Path:
@@ -133,3 +141,12 @@ def load(tier: str | None = None, openmp: bool = True) -> ctypes.CDLL | None:
         detail = getattr(exc, "stderr", "") or str(exc)
         log.warning("CPU kernels failed to build, using PyTorch ops instead: %s", detail.strip()[:500])
         return None
+
+
+if __name__ == "__main__":  # the flags of a test build, for KVFLOW_KERNEL_FLAGS
+    import sys
+
+    if sys.argv[1:] == ["--avx2-vnni-evex"]:
+        print(" ".join(AVX2_VNNI_EVEX_FLAGS))
+    else:
+        sys.exit("usage: python -m kvflow.kernels.build --avx2-vnni-evex")

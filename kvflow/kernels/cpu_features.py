@@ -1,7 +1,8 @@
 """What this CPU can run, read once from /proc/cpuinfo: its feature flags and the kernel tier they allow.
 
-Tiers, lowest first. x86: generic (x86-64's baseline, SSE2), avx2 (AVX2 + FMA + F16C), avx512 (AVX-512
-F/BW/VL with VNNI), amx (AVX-512 plus AMX int8 and bf16 tiles). ARM (aarch64): generic, neon (Advanced
+Tiers, lowest first. x86: generic (x86-64's baseline, SSE2), avx2 (AVX2 + FMA + F16C; its packed matmul
+takes AVX-VNNI where the CPU has it, as Intel Core CPUs from Alder Lake on do), avx512 (AVX-512 F/BW/VL
+with VNNI), amx (AVX-512 plus AMX int8 and bf16 tiles). ARM (aarch64): generic, neon (Advanced
 SIMD; its packed dot products use `vdotq_s32` where the dotprod extension is there, and the generic
 kernel's 16-bit multiplies on NEON vectors where it is not). Other CPUs: generic, in plain C++.
 `KVFLOW_ISA=<tier>` forces a lower tier than the machine's, so every tier below it can be tested and

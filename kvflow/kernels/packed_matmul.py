@@ -286,7 +286,8 @@ def dequantize(pw: PackedWeight, rows: torch.Tensor | None = None) -> torch.Tens
     return w.view(q.shape[0], pw.k)
 
 
-PATHS = {1: "plain C++", 2: "AVX2", 3: "NEON dotprod", 4: "AVX512-VNNI", 5: "AVX512-VNNI and AMX int8 tiles"}
+PATHS = {1: "plain C++", 2: "AVX2", 3: "NEON dotprod", 4: "AVX512-VNNI", 5: "AVX512-VNNI and AMX int8 tiles",
+         6: "AVX2 and AVX-VNNI"}
 
 
 @functools.cache

@@ -7,6 +7,8 @@ row ops):
 - the generic tier as this CPU builds it (SSE2 on x86-64: its fused multiply-add is emulated), and with the
   plain C++ vectors that CPUs with neither SSE2 nor NEON get (KVFLOW_PLAIN_VECTORS), which no tier here
   would otherwise compile;
+- the AVX2 tier's VNNI path (packed_avx2_vnni.h) as an AVX-VNNI CPU's library builds it, run where this
+  CPU has AVX-VNNI; and in AVX512-VNNI's form of the same instruction, run where it has that;
 - aarch64, cross-compiled with Debian's g++-aarch64-linux-gnu and run under qemu-aarch64 user emulation:
   the NEON tier with dotprod (thread pool and OpenMP), and without it (ARMv8.0, such as the Raspberry Pi
   4's Cortex-A72: the generic packed matmul on NEON).
@@ -18,6 +20,7 @@ the test instead of skipping it.
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import subprocess
 from pathlib import Path
@@ -66,6 +69,25 @@ def host_compiler() -> str:
 def test_this_cpu_with_the_thread_pool(tmp_path):
     flags = build.tier_flags(cpu_features.machine_tier())
     run_checks([str(compile_harness(host_compiler(), flags, tmp_path / "check", openmp=False))])
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="an x86 tier")
+def test_the_avx2_tier_as_an_avx_vnni_cpu_builds_it(tmp_path):
+    flags = build.tier_flags("avx2", flags=frozenset({"avx2", "fma", "f16c", "avx_vnni"}))
+    assert "-mavxvnni" in flags
+    binary = compile_harness(host_compiler(), flags, tmp_path / "check", openmp=True)
+    if "avx_vnni" not in cpu_features.cpu_flags():
+        pytest.skip("built; this CPU has no AVX-VNNI to run it (the next test runs the same code in its EVEX form)")
+    run_checks([str(binary)])
+
+
+def test_the_avx2_tier_with_vnni_in_its_avx512_form(tmp_path):
+    if not {"avx2", "fma", "f16c", "avx512_vnni", "avx512vl"} <= cpu_features.cpu_flags():
+        pytest.skip("needs AVX512-VNNI with AVX512VL")
+    if "clang" in Path(host_compiler()).name:
+        pytest.skip("the EVEX build is a GCC pragma")
+    flags = (*build.tier_flags("avx2", flags=frozenset({"avx2", "fma", "f16c"})), *build.AVX2_VNNI_EVEX_FLAGS)
+    run_checks([str(compile_harness(host_compiler(), flags, tmp_path / "check", openmp=True))])
 
 
 @pytest.mark.parametrize("plain", [False, True], ids=["generic", "generic-plain-vectors"])

@@ -12,7 +12,10 @@ through its own library, against the reference:
 from __future__ import annotations
 
 import ctypes
+import functools
 import platform
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +24,7 @@ from paged_batch import at_slots, make_paged_batch
 
 from kvflow import SamplingParams
 from kvflow.executors.thresholds import ROW_THRESHOLDS
-from kvflow.kernels import abi, cpu_features, packed_matmul, paged_attention
+from kvflow.kernels import abi, build, cpu_features, packed_matmul, paged_attention
 from kvflow.layers.attention import kv_int8, reference
 from kvflow.layers.quant import quantize_weight
 
@@ -37,6 +40,42 @@ def library(tier: str):
     lib = abi.native(tier)
     lib.kvflow_set_tuning(tuning=ROW_THRESHOLDS.kernel_tuning())
     return lib
+
+
+def other_avx2_flags() -> tuple[str, ...] | None:
+    """Flags for the AVX2 tier's packed-matmul path that this CPU's own avx2 library does not take: plain
+    AVX2 where the CPU has AVX-VNNI (its library takes packed_avx2_vnni.h), else the VNNI path in its
+    AVX512-VNNI form where the CPU has that (build.AVX2_VNNI_EVEX_FLAGS; a GCC pragma). None: neither."""
+    flags = cpu_features.cpu_flags()
+    if "avx2" not in TIERS:
+        return None
+    if "avx_vnni" in flags:
+        return ("-mno-avxvnni",)
+    gcc = "clang" not in Path(build.compiler() or "").name
+    return build.AVX2_VNNI_EVEX_FLAGS if {"avx512_vnni", "avx512vl"} <= flags and gcc else None
+
+
+@functools.cache
+def other_avx2_library():
+    """The avx2 library built with other_avx2_flags (None where there is no other path here)."""
+    extra = other_avx2_flags()
+    if extra is None:
+        return None
+    out = Path(tempfile.mkdtemp(prefix="kvflow-avx2-")) / "libkvflow_cpu-avx2-other.so"
+    build.compile_library(build.compiler(), "avx2", build.CSRC, out, extra_flags=extra)
+    lib = abi.bind(ctypes.CDLL(str(out)))
+    lib.kvflow_set_tuning(tuning=ROW_THRESHOLDS.kernel_tuning())
+    return lib
+
+
+def test_both_avx2_paths_are_built_where_the_cpu_runs_them():
+    """The AVX2 tier's two packed-matmul paths, plain and VNNI, each really taken by one of the libraries
+    the tests compare (test_packed_matmul_...), wherever this CPU can run both."""
+    other = other_avx2_library()
+    if other is None:
+        pytest.skip("this CPU runs one AVX2 path only (no AVX-VNNI, nor AVX512-VNNI with VL and GCC)")
+    paths = {packed_matmul.PATHS[lib.kvflow_packed_matmul_path()] for lib in (library("avx2"), other)}
+    assert paths == {"AVX2", "AVX2 and AVX-VNNI"}
 
 
 def matmul(lib, pw, x: torch.Tensor, threads: int = 2, input_bits: int = 16) -> torch.Tensor:
@@ -67,9 +106,11 @@ def test_packed_matmul_is_bitwise_equal_on_every_fused_tier(bits, codebook, n, k
         x = torch.randn(m, k, generator=g) * 2
         for input_bits in (8, 16):
             outs = {tier: matmul(library(tier), pw, x, input_bits=input_bits) for tier in TIERS}
+            if other_avx2_library() is not None:  # the AVX2 tier's other path (plain, or with VNNI)
+                outs["avx2, other path"] = matmul(other_avx2_library(), pw, x, input_bits=input_bits)
             fused = outs[FUSED[0]]
             for tier, y in outs.items():
-                if tier in FUSED:
+                if tier in FUSED or tier == "avx2, other path":
                     assert torch.equal(y, fused), (tier, m, input_bits)
                 else:  # each of k / 32 blocks rounds 4 times here (2 products, 2 sums) and twice on a fused
                     # tier, half an ulp each of at most what the block's terms can reach

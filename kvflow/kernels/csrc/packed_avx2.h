@@ -332,9 +332,20 @@ void tile_wide(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* 
 
 }  // namespace avx2
 
+}  // namespace kvflow::packed
+
+#include "packed_avx2_vnni.h"  // after the helpers above, which it uses
+
+namespace kvflow::packed {
+
 struct Avx2 {
+#ifdef KVFLOW_AVX2_VNNI  // a row's sums are int32 only (no 16-bit ones): more rows fit the 16 registers
+  static constexpr int kRows = 6;
+  static constexpr int kTwoDigitRows = 3;  // rows a pass with 16-bit inputs
+#else
   static constexpr int kRows = 4;
-  static constexpr int kTwoDigitRows = 2;  // rows a pass with 16-bit inputs
+  static constexpr int kTwoDigitRows = 2;
+#endif
   static void quantize_row(const float* x, int64_t k, int block, int8_t* hi, int8_t* lo, float* scale, float* sum) {
     (block == kSmallBlock ? avx2::quantize_row<kSmallBlock> : avx2::quantize_row<kBlock>)(x, k, hi, lo, scale, sum);
   }
@@ -344,7 +355,7 @@ struct Avx2 {
   template <int M>
   static void rows_block(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y,
                          int64_t ys) {
-    // Two digits need twice the accumulators: at most two rows a pass in the 16 registers.
+    // Two digits need twice the accumulators: fewer rows a pass in the 16 registers.
     digit_passes<Avx2, kTwoDigitRows, M>(w, g_lo, g_hi, rows, y, ys);
   }
   // Groups [g_lo, g_hi) for M rows: both halves of a group at once where the registers allow (one row of
@@ -360,18 +371,25 @@ struct Avx2 {
   template <int Block, int M, bool Two>
   static void with_format(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y,
                           int64_t ys) {
+#ifdef KVFLOW_AVX2_VNNI
+    if (w.codebook)  // centred on 128: always an offset
+      return avx2::groups_vnni<Block, M, Two, 4, true, true>(w, g_lo, g_hi, rows, y, ys);
+#else
     if constexpr (Two && M <= 2) {  // 8-bit codes times 16-bit inputs: vpmaddwd on whole inputs (tile_wide)
       if (w.bits == 8) {
         for (int64_t g = g_lo; g < g_hi; ++g) avx2::tile_wide<Block, M>(w, g, rows, y, ys);
         return;
       }
     }
-    if (w.codebook)  // centred on 128: always an offset
+    if (w.codebook) {  // centred on 128: always an offset
       for (int64_t g = g_lo; g < g_hi; ++g) {
         avx2::tile<Block, M, 1, Two, 4, true, true>(w, g, 0, rows, y, ys);
         avx2::tile<Block, M, 1, Two, 4, true, true>(w, g, 1, rows, y, ys);
       }
-    else if (w.bits == 4)
+      return;
+    }
+#endif
+    if (w.bits == 4)
       with_offset<Block, M, Two, 4>(w, g_lo, g_hi, rows, y, ys);
     else if (w.bits == 6)
       with_offset<Block, M, Two, 6>(w, g_lo, g_hi, rows, y, ys);
@@ -386,6 +404,9 @@ struct Avx2 {
   }
   template <int Block, int M, bool Two, int Bits, bool HasOffset>
   static void groups(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y, int64_t ys) {
+#ifdef KVFLOW_AVX2_VNNI
+    avx2::groups_vnni<Block, M, Two, Bits, HasOffset, false>(w, g_lo, g_hi, rows, y, ys);
+#else
     for (int64_t g = g_lo; g < g_hi; ++g) {
       if constexpr (M == 1 && Bits == 4) {
         avx2::tile<Block, 1, 2, Two, Bits, HasOffset>(w, g, 0, rows, y, ys);
@@ -394,6 +415,7 @@ struct Avx2 {
         avx2::tile<Block, M, 1, Two, Bits, HasOffset>(w, g, 1, rows, y, ys);
       }
     }
+#endif
   }
 };
 

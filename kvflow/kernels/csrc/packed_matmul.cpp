@@ -1,6 +1,6 @@
 // Rows times packed 4-, 6- or 8-bit weights, with integer dot products: AVX512-VNNI (and AMX int8 tiles for
-// several rows), AVX2, ARM NEON dotprod, or the generic kernel's 16-bit multiplies (SSE2, NEON without
-// dotprod, plain C++), whichever this tier's library was built for.
+// several rows), AVX2 (with AVX-VNNI where the CPU has it), ARM NEON dotprod, or the generic kernel's
+// 16-bit multiplies (SSE2, NEON without dotprod, plain C++), whichever this tier's library was built for.
 //
 // Decode reads every weight once per step and does two flops with it, so its speed is how cheaply the
 // packed bytes become products. The layout (kvflow_cpu.h) puts 16 output columns side by side, 4
@@ -34,7 +34,11 @@ constexpr int32_t kPath = 4;
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include "packed_avx2.h"
 using Kernel = kvflow::packed::Avx2;
+#ifdef KVFLOW_AVX2_VNNI
+constexpr int32_t kPath = 6;
+#else
 constexpr int32_t kPath = 2;
+#endif
 #elif defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD)
 #include "packed_neon.h"
 using Kernel = kvflow::packed::Neon;
