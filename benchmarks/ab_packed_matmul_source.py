@@ -50,6 +50,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--input-bits", type=int, default=16, choices=(8, 16))
     ap.add_argument("--bits", type=int, default=4, choices=(4, 6, 8), help="the weights' code width")
+    ap.add_argument("--block", type=int, default=32, choices=(16, 32), help="inputs per scale (Q6_K: 16)")
     ap.add_argument("--avx2-vnni", action="store_true", help="the working tree with the AVX2 tier's VNNI path")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvflow-ab-"))
@@ -59,7 +60,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     weights = []
     for n, k in SHAPES:
-        bq = quantize_weight(torch.randn(n, k, generator=g) * 0.05, "int4" if args.bits == 4 else "int8", 32)
+        bq = quantize_weight(torch.randn(n, k, generator=g) * 0.05, "int4" if args.bits == 4 else "int8", args.block)
         q = bq.q >> 2 if args.bits == 6 else bq.q  # 6-bit codes: the 8-bit ones' top six bits
         offset = bq.offset.half().float() if args.bits == 4 else -128.0 * bq.scale.half().float()
         weights.append(packed_matmul.pack(q, bq.scale.half().float(), offset, bq.group_size, args.bits))

@@ -3,9 +3,10 @@
 // (pairs summed to 32 bits), as llama.cpp's AVX2 dot products do.
 //
 // vpmaddubsw saturates, so each product must stay small: 4-bit codes (0..15) times digits (-128..127)
-// give at most 3,840 per pair, and eight steps of a block summed in 16 bits stay below 32,767. 6- and
-// 8-bit codes go as their low nibble and the rest (c = 16 h + l), recombined in 32 bits; except 8-bit
-// codes times 16-bit inputs, which go through vpmaddwd on whole inputs (tile_wide). Every sum is exact, and
+// give at most 3,840 per pair, and eight steps of a block summed in 16 bits stay below 32,767. 6-bit
+// codes go whole, two steps summed in 16 bits and then in 32. 8-bit codes go as their low nibble and the
+// rest (c = 16 h + l), recombined in 32 bits; except times 16-bit inputs, which go through vpmaddwd on
+// whole inputs (tile_wide). Every sum is exact, and
 // the float epilogue is the VNNI path's, lane for lane: the result is bitwise the same.
 #pragma once
 
@@ -140,6 +141,22 @@ inline void store_columns(float* out, __m256 v, int64_t left) {
   }
 }
 
+// Half `half` of 6-bit row `row`'s codes as two vectors of whole codes (inputs 8 row .. +3, then +4 ..
+// +7): each nibble with its top two bits put above it; the 16-bit shifts carry a neighbour byte's bits
+// along, the masks drop them.
+template <int Block>
+inline void six_bit_codes(const uint8_t* block, int row, int half, __m256i* first, __m256i* second) {
+  const __m256i low_nibble = _mm256_set1_epi8(0x0f), top_pair = _mm256_set1_epi8(0x30);
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * row + 32 * half));
+  const __m256i top =
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + top_bits_at(Block) + 64 * (row / 2) + 32 * half));
+  const __m256i top_first = row % 2 ? top : _mm256_slli_epi16(top, 4);  // its pair to bits 4, 5
+  const __m256i top_second = row % 2 ? _mm256_srli_epi16(top, 2) : _mm256_slli_epi16(top, 2);
+  *first = _mm256_or_si256(_mm256_and_si256(v, low_nibble), _mm256_and_si256(top_first, top_pair));
+  *second = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibble),
+                            _mm256_and_si256(top_second, top_pair));
+}
+
 inline __m256i broadcast4(const int8_t* p) {  // four input digits, in every 32-bit lane
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -218,23 +235,22 @@ void tile(const KvflowPackedWeight& w, int64_t g, int half, const Rows& rows, fl
         step(2 * row + 1, low, hi);
       }
     } else if constexpr (Bits == 6) {
-      const __m256i two_bits = _mm256_set1_epi8(0x03);
-      for (int row = 0; row < Block / 8; ++row) {  // the low nibbles, then each code's top two bits (c >> 4)
-        __m256i lo[H], hi[H], lo_top[H], hi_top[H];
-        for (int h = 0; h < H; ++h) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + at + 64 * row + 32 * (half + h)));
-          const __m256i top = _mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(base + at + top_bits_at(Block) + 64 * (row / 2) + 32 * (half + h)));
-          const __m256i pairs = row % 2 ? _mm256_srli_epi16(top, 4) : top;  // this row's pairs in bits 0..3
-          lo[h] = _mm256_and_si256(v, low_nibble);
-          hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibble);
-          lo_top[h] = _mm256_and_si256(pairs, two_bits);
-          hi_top[h] = _mm256_and_si256(_mm256_srli_epi16(pairs, 2), two_bits);
+      // Whole codes (0..63): a vpmaddubsw pair is at most 2 x 63 x 128 = 16,128 in magnitude, so two steps'
+      // products still sum exactly in 16 bits; each such sum goes on to 32 bits (s16[r][h][d][1]) at once.
+      for (int row = 0; row < Block / 8; ++row) {
+        __m256i first[H], second[H];
+        for (int h = 0; h < H; ++h) six_bit_codes<Block>(base + at, row, half + h, &first[h], &second[h]);
+        for (int r = 0; r < M; ++r) {
+          const int8_t* digits = rows.hi + r * rows.stride + b * Block + 8 * row;
+          for (int d = 0; d < (Two ? 2 : 1); ++d) {
+            if (d == 1) digits = rows.lo + r * rows.stride + b * Block + 8 * row;
+            const __m256i x0 = broadcast4(digits), x1 = broadcast4(digits + 4);
+            for (int h = 0; h < H; ++h) {
+              const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(first[h], x0), _mm256_maddubs_epi16(second[h], x1));
+              s16[r][h][d][1] = in_register(_mm256_add_epi32(s16[r][h][d][1], _mm256_madd_epi16(pair, ones)));
+            }
+          }
         }
-        step(2 * row, low, lo);
-        step(2 * row, high, lo_top);
-        step(2 * row + 1, low, hi);
-        step(2 * row + 1, high, hi_top);
       }
     } else {
       for (int row = 0; row < Block / 4; ++row) {  // code c = 16 (c >> 4) + (c & 15): each nibble on its own
@@ -252,14 +268,20 @@ void tile(const KvflowPackedWeight& w, int64_t g, int half, const Rows& rows, fl
       __m256 scale, offset = _mm256_setzero_ps();
       scales_offsets(w, g, b, base + at + codes_end, half + h, &scale, has_offset ? &offset : nullptr);
       for (int r = 0; r < M; ++r) {
-        __m256i dot_h = _mm256_madd_epi16(s16[r][h][0][0], ones);
-        if constexpr (!four_bit) dot_h = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(s16[r][h][0][1], ones), 4), dot_h);
-        __m256i dot = dot_h;
-        if constexpr (Two) {
-          __m256i dot_l = _mm256_madd_epi16(s16[r][h][1][0], ones);
-          if constexpr (!four_bit) dot_l = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(s16[r][h][1][1], ones), 4), dot_l);
-          dot = _mm256_add_epi32(_mm256_slli_epi32(dot_h, 8), dot_l);
-        }
+        // Per digit: the 32-bit sums of whole 6-bit codes, else the 16-bit ones widened (and the nibble above
+        // the low one, of 8-bit codes, shifted into place).
+        auto digit_dot = [&](int d) {
+          if constexpr (Bits == 6) {
+            return s16[r][h][d][1];
+          } else {
+            __m256i dot_d = _mm256_madd_epi16(s16[r][h][d][0], ones);
+            if constexpr (!four_bit)
+              dot_d = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(s16[r][h][d][1], ones), 4), dot_d);
+            return dot_d;
+          }
+        };
+        __m256i dot = digit_dot(0);
+        if constexpr (Two) dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 8), digit_dot(1));
         const __m256 col_scale = _mm256_mul_ps(scale, _mm256_set1_ps(rows.scale[r * rows.blocks + b]));
         acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), col_scale, acc[r][h]);
         if constexpr (has_offset) acc[r][h] = _mm256_fmadd_ps(offset, _mm256_set1_ps(rows.sum[r * rows.blocks + b]), acc[r][h]);
@@ -359,7 +381,7 @@ struct Avx2 {
     digit_passes<Avx2, kTwoDigitRows, M>(w, g_lo, g_hi, rows, y, ys);
   }
   // Groups [g_lo, g_hi) for M rows: both halves of a group at once where the registers allow (one row of
-  // 4-bit codes), else one half at a time.
+  // 4- or 6-bit codes), else one half at a time.
   template <int M, bool Two>
   static void blocks(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y,
                      int64_t ys) {
@@ -408,7 +430,7 @@ struct Avx2 {
     avx2::groups_vnni<Block, M, Two, Bits, HasOffset, false>(w, g_lo, g_hi, rows, y, ys);
 #else
     for (int64_t g = g_lo; g < g_hi; ++g) {
-      if constexpr (M == 1 && Bits == 4) {
+      if constexpr (M == 1 && (Bits == 4 || Bits == 6)) {
         avx2::tile<Block, 1, 2, Two, Bits, HasOffset>(w, g, 0, rows, y, ys);
       } else {
         avx2::tile<Block, M, 1, Two, Bits, HasOffset>(w, g, 0, rows, y, ys);

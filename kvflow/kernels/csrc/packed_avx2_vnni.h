@@ -35,22 +35,6 @@ inline __m256i dot_bytes(__m256i sum, __m256i codes, __m256i digits) {  // sum +
 #endif
 }
 
-// Half `half` of 6-bit row `row`'s codes as two vectors of whole codes (inputs 8 row .. +3, then +4 ..
-// +7): each nibble with its top two bits put above it; the 16-bit shifts carry a neighbour byte's bits
-// along, the masks drop them.
-template <int Block>
-inline void six_bit_codes(const uint8_t* block, int row, int half, __m256i* first, __m256i* second) {
-  const __m256i low_nibble = _mm256_set1_epi8(0x0f), top_pair = _mm256_set1_epi8(0x30);
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * row + 32 * half));
-  const __m256i top =
-      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + top_bits_at(Block) + 64 * (row / 2) + 32 * half));
-  const __m256i top_first = row % 2 ? top : _mm256_slli_epi16(top, 4);  // its pair to bits 4, 5
-  const __m256i top_second = row % 2 ? _mm256_srli_epi16(top, 2) : _mm256_slli_epi16(top, 2);
-  *first = _mm256_or_si256(_mm256_and_si256(v, low_nibble), _mm256_and_si256(top_first, top_pair));
-  *second = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibble),
-                            _mm256_and_si256(top_second, top_pair));
-}
-
 // Columns 16 g + 8 half .. + 8 h of group g for M rows, H halves from `half` on; Two: 16-bit inputs (two
 // digits), else 8-bit. Bits and Book as in tile; their 8-bit codes (codebook entries included) go whole.
 template <int Block, int M, int H, bool Two, int Bits, bool HasOffset, bool Book>
