@@ -46,8 +46,10 @@ def tier_flags(tier: str, machine: str | None = None, flags: frozenset[str] | No
     machine = machine or platform.machine()
     flags = cpu_features.cpu_flags() if flags is None else flags
     if machine in ("aarch64", "arm64"):
-        if tier == "neon":
-            return ("-march=armv8.2-a+dotprod",) if cpu_features.has_dotprod(flags) else ("-march=armv8-a",)
+        if tier == "neon":  # dotprod, and i8mm with it where the CPU has both (packed_neon_i8mm.h)
+            if not cpu_features.has_dotprod(flags):
+                return ("-march=armv8-a",)
+            return ("-march=armv8.2-a+dotprod+i8mm",) if "i8mm" in flags else ("-march=armv8.2-a+dotprod",)
         return ("-march=armv8-a",)
     base = ("-march=x86-64",)
     if tier == "avx2":  # AVX-VNNI where the CPU has it (Intel Core from Alder Lake on): packed_avx2_vnni.h

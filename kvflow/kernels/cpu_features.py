@@ -1,10 +1,12 @@
-"""What this CPU can run, read once from /proc/cpuinfo: its feature flags and the kernel tier they allow.
+"""What this CPU can run, read once (from /proc/cpuinfo, or sysctl on macOS): its feature flags and the
+kernel tier they allow.
 
 Tiers, lowest first. x86: generic (x86-64's baseline, SSE2), avx2 (AVX2 + FMA + F16C; its packed matmul
 takes AVX-VNNI where the CPU has it, as Intel Core CPUs from Alder Lake on do), avx512 (AVX-512 F/BW/VL
 with VNNI), amx (AVX-512 plus AMX int8 and bf16 tiles). ARM (aarch64): generic, neon (Advanced
-SIMD; its packed dot products use `vdotq_s32` where the dotprod extension is there, and the generic
-kernel's 16-bit multiplies on NEON vectors where it is not). Other CPUs: generic, in plain C++.
+SIMD; its packed dot products use `vdotq_s32` where the dotprod extension is there, and for row pairs
+`vusmmlaq_s32` where i8mm is too; the generic kernel's 16-bit multiplies on NEON vectors where dotprod
+is not). Other CPUs: generic, in plain C++.
 `KVFLOW_ISA=<tier>` forces a lower tier than the machine's, so every tier below it can be tested and
 measured on one machine; a higher one is refused. kernels/build compiles one library per tier, with exactly
 that tier's flags.
@@ -15,6 +17,7 @@ from __future__ import annotations
 import functools
 import os
 import platform
+import subprocess
 
 X86_TIERS = ("generic", "avx2", "avx512", "amx")
 ARM_TIERS = ("generic", "neon")
@@ -27,9 +30,37 @@ _NEEDS = {
 }
 
 
+# macOS has no /proc/cpuinfo: its sysctl keys for the features the tiers need, as Linux names them.
+# Apple Silicon: NEON always, dotprod from M1, i8mm from M2. Intel Macs list their features in two keys,
+# upper case ("AVX1.0 FMA F16C", "AVX2 AVX512F AVX512VNNI").
+_DARWIN_ARM_KEYS = {"hw.optional.AdvSIMD": "asimd", "hw.optional.neon": "asimd",
+                    "hw.optional.arm.FEAT_DotProd": "asimddp", "hw.optional.arm.FEAT_I8MM": "i8mm"}
+_DARWIN_X86_KEYS = ("machdep.cpu.features", "machdep.cpu.leaf7_features")
+_DARWIN_X86_NAMES = {"avx1.0": "avx", "avx512vnni": "avx512_vnni", "avx512bf16": "avx512_bf16"}
+
+
+def _sysctl(key: str) -> str:
+    """A sysctl value, or "" where the key (or sysctl) is missing."""
+    try:
+        done = subprocess.run(["sysctl", "-n", key], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def darwin_flags() -> frozenset[str]:
+    """A Mac's CPU features from sysctl, with Linux's names."""
+    flags = {name for key, name in _DARWIN_ARM_KEYS.items() if _sysctl(key) == "1"}
+    for key in _DARWIN_X86_KEYS:
+        flags |= {_DARWIN_X86_NAMES.get(word, word) for word in _sysctl(key).lower().split()}
+    return frozenset(flags)
+
+
 @functools.cache
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as Linux names them (empty where /proc/cpuinfo cannot be read)."""
+    """The CPU's feature flags as Linux names them (from sysctl on macOS; empty where neither can be read)."""
+    if platform.system() == "Darwin":
+        return darwin_flags()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -42,6 +73,8 @@ def cpu_flags() -> frozenset[str]:
 
 @functools.cache
 def cpu_name() -> str:
+    if platform.system() == "Darwin" and _sysctl("machdep.cpu.brand_string"):
+        return _sysctl("machdep.cpu.brand_string")  # "Apple M2 Pro"
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

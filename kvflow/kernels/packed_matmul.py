@@ -286,8 +286,8 @@ def dequantize(pw: PackedWeight, rows: torch.Tensor | None = None) -> torch.Tens
     return w.view(q.shape[0], pw.k)
 
 
-PATHS = {1: "plain C++", 2: "AVX2", 3: "NEON dotprod", 4: "AVX512-VNNI", 5: "AVX512-VNNI and AMX int8 tiles",
-         6: "AVX2 and AVX-VNNI"}
+PATHS = {1: "generic 16-bit multiplies", 2: "AVX2", 3: "NEON dotprod", 4: "AVX512-VNNI",
+         5: "AVX512-VNNI and AMX int8 tiles", 6: "AVX2 and AVX-VNNI", 7: "NEON dotprod and i8mm"}
 
 
 @functools.cache

@@ -10,8 +10,9 @@ row ops):
 - the AVX2 tier's VNNI path (packed_avx2_vnni.h) as an AVX-VNNI CPU's library builds it, run where this
   CPU has AVX-VNNI; and in AVX512-VNNI's form of the same instruction, run where it has that;
 - aarch64, cross-compiled with Debian's g++-aarch64-linux-gnu and run under qemu-aarch64 user emulation:
-  the NEON tier with dotprod (thread pool and OpenMP), and without it (ARMv8.0, such as the Raspberry Pi
-  4's Cortex-A72: the generic packed matmul on NEON).
+  the NEON tier with dotprod (thread pool and OpenMP), with dotprod and i8mm (row pairs through
+  vusmmlaq_s32), and without dotprod (ARMv8.0, such as the Raspberry Pi 4's Cortex-A72: the generic
+  packed matmul on NEON).
 
 .ci/run installs the cross compiler and qemu and sets KVFLOW_REQUIRE_CROSS=1: there a missing tool fails
 the test instead of skipping it.
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from kvflow.kernels import build, cpu_features
+from kvflow.kernels import build, cpu_features, packed_matmul
 
 HARNESS = Path(__file__).parent / "native" / "check_kernels.cpp"
 SOURCES = [str(build.CSRC / name) for name in build.SOURCES]
@@ -53,10 +54,14 @@ def compile_harness(cxx: str, flags: tuple[str, ...], out: Path, openmp: bool) -
     return out
 
 
-def run_checks(command: list[str]) -> None:
+def run_checks(command: list[str], path: str | None = None) -> None:
+    """Run a built harness; path: the packed-matmul path (packed_matmul.PATHS) it must have taken."""
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip().endswith("all kernels ok"), done.stdout
+    if path is not None:
+        number = {name: n for n, name in packed_matmul.PATHS.items()}[path]
+        assert f"packed matmul path {number}\n" in done.stdout, (path, done.stdout[:200])
 
 
 def host_compiler() -> str:
@@ -78,7 +83,7 @@ def test_the_avx2_tier_as_an_avx_vnni_cpu_builds_it(tmp_path):
     binary = compile_harness(host_compiler(), flags, tmp_path / "check", openmp=True)
     if "avx_vnni" not in cpu_features.cpu_flags():
         pytest.skip("built; this CPU has no AVX-VNNI to run it (the next test runs the same code in its EVEX form)")
-    run_checks([str(binary)])
+    run_checks([str(binary)], "AVX2 and AVX-VNNI")
 
 
 def test_the_avx2_tier_with_vnni_in_its_avx512_form(tmp_path):
@@ -87,7 +92,7 @@ def test_the_avx2_tier_with_vnni_in_its_avx512_form(tmp_path):
     if "clang" in Path(host_compiler()).name:
         pytest.skip("the EVEX build is a GCC pragma")
     flags = (*build.tier_flags("avx2", flags=frozenset({"avx2", "fma", "f16c"})), *build.AVX2_VNNI_EVEX_FLAGS)
-    run_checks([str(compile_harness(host_compiler(), flags, tmp_path / "check", openmp=True))])
+    run_checks([str(compile_harness(host_compiler(), flags, tmp_path / "check", openmp=True))], "AVX2 and AVX-VNNI")
 
 
 @pytest.mark.parametrize("plain", [False, True], ids=["generic", "generic-plain-vectors"])
@@ -97,10 +102,12 @@ def test_the_generic_tier(plain, tmp_path):
 
 
 @pytest.mark.parametrize(("cpu_flags", "openmp"), [({"asimd", "asimddp"}, False), ({"asimd", "asimddp"}, True),
-                                                   ({"asimd"}, True)],
-                         ids=["thread pool-neon", "openmp-neon", "openmp-neon-without-dotprod"])
+                                                   ({"asimd", "asimddp", "i8mm"}, True), ({"asimd"}, True)],
+                         ids=["thread pool-neon", "openmp-neon", "openmp-neon-i8mm", "openmp-neon-without-dotprod"])
 def test_aarch64_tiers_under_qemu(cpu_flags, openmp, tmp_path):
     cxx, qemu = tool("aarch64-linux-gnu-g++"), tool("qemu-aarch64")
     flags = (*build.tier_flags("neon", machine="aarch64", flags=frozenset(cpu_flags)), "-static")
     binary = compile_harness(cxx, flags, tmp_path / "check", openmp)
-    run_checks([qemu, "-cpu", "max", str(binary)])
+    path = ("NEON dotprod and i8mm" if "i8mm" in cpu_flags else "NEON dotprod") if "asimddp" in cpu_flags \
+        else "generic 16-bit multiplies"
+    run_checks([qemu, "-cpu", "max", str(binary)], path)

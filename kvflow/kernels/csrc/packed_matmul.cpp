@@ -1,6 +1,7 @@
 // Rows times packed 4-, 6- or 8-bit weights, with integer dot products: AVX512-VNNI (and AMX int8 tiles for
-// several rows), AVX2 (with AVX-VNNI where the CPU has it), ARM NEON dotprod, or the generic kernel's
-// 16-bit multiplies (SSE2, NEON without dotprod, plain C++), whichever this tier's library was built for.
+// several rows), AVX2 (with AVX-VNNI where the CPU has it), ARM NEON dotprod (and i8mm for row pairs), or
+// the generic kernel's 16-bit multiplies (SSE2, NEON without dotprod, plain C++), whichever this tier's
+// library was built for.
 //
 // Decode reads every weight once per step and does two flops with it, so its speed is how cheaply the
 // packed bytes become products. The layout (kvflow_cpu.h) puts 16 output columns side by side, 4
@@ -42,7 +43,11 @@ constexpr int32_t kPath = 2;
 #elif defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD)
 #include "packed_neon.h"
 using Kernel = kvflow::packed::Neon;
+#ifdef KVFLOW_NEON_I8MM
+constexpr int32_t kPath = 7;
+#else
 constexpr int32_t kPath = 3;
+#endif
 #else
 #include "packed_generic.h"
 using Kernel = kvflow::packed::Generic;

@@ -23,6 +23,22 @@ inline int8x16_t broadcast4(const int8_t* p) {  // four input digits, in every 3
   return vreinterpretq_s8_s32(vdupq_n_s32(v));
 }
 
+// M rows' results for the 16 columns of group g, four a vector, as many as exist (the last group may hold
+// fewer).
+template <int M>
+void store_quarters(const KvflowPackedWeight& w, int64_t g, const float32x4_t (&acc)[M][4], float* y,
+                    int64_t y_stride) {
+  for (int q = 0; q < 4; ++q) {
+    const int64_t col = g * 16 + 4 * q;
+    const int64_t left = w.n - col;
+    for (int r = 0; r < M; ++r) {
+      float tmp[4];
+      vst1q_f32(tmp, acc[r][q]);
+      for (int i = 0; i < 4 && i < left; ++i) y[r * y_stride + col + i] = tmp[i];
+    }
+  }
+}
+
 // The 16 columns of group g for M rows.
 template <int M>
 void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, int64_t y_stride) {
@@ -117,18 +133,16 @@ void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, in
       }
     }
   }
-  for (int q = 0; q < 4; ++q) {
-    const int64_t col = g * 16 + 4 * q;
-    const int64_t left = w.n - col;
-    for (int r = 0; r < M; ++r) {
-      float tmp[4];
-      vst1q_f32(tmp, acc[r][q]);
-      for (int i = 0; i < 4 && i < left; ++i) y[r * y_stride + col + i] = tmp[i];
-    }
-  }
+  store_quarters<M>(w, g, acc, y, y_stride);
 }
 
 }  // namespace neon
+
+}  // namespace kvflow::packed
+
+#include "packed_neon_i8mm.h"  // after store_quarters, which it uses
+
+namespace kvflow::packed {
 
 struct Neon : ScalarQuantizer {
   static constexpr int kRows = 2;
@@ -136,6 +150,13 @@ struct Neon : ScalarQuantizer {
   template <int M>
   static void rows_block(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y,
                          int64_t ys) {
+#ifdef KVFLOW_NEON_I8MM
+    if constexpr (M == 2) {  // a row pair through the int8 matrix multiply; one row stays on vdotq_s32
+      for (int64_t g = g_lo; g < g_hi; ++g)
+        rows.lo ? neon::tile_two_rows<true>(w, g, rows, y, ys) : neon::tile_two_rows<false>(w, g, rows, y, ys);
+      return;
+    }
+#endif
     for (int64_t g = g_lo; g < g_hi; ++g) neon::tile<M>(w, g, rows, y, ys);
   }
 };

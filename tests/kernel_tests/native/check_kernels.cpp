@@ -374,6 +374,7 @@ void check_vector_helpers() {
 }  // namespace
 
 int main() {
+  std::printf("packed matmul path %d\n", kvflow_packed_matmul_path());  // which kernel the build took
   check_vector_helpers();
   check_packed_matmul();
   for (bool head_major : {false, true}) {
