@@ -124,10 +124,28 @@ def build(cxx: str, tier: str, openmp: bool = True) -> Path:
     return target
 
 
+def build_threaded(cxx: str, tier: str) -> Path:
+    """The OpenMP build, or the thread-pool one where the compiler has no OpenMP (Apple's clang rejects
+    -fopenmp): then the first start's failed attempt is remembered by the library it built instead."""
+    with_openmp, threads_only = _library_path(cxx, tier, True), _library_path(cxx, tier, False)
+    if threads_only.exists() and not with_openmp.exists():
+        return threads_only
+    try:
+        return build(cxx, tier, openmp=True)
+    except subprocess.CalledProcessError as openmp_failed:
+        try:
+            built = build(cxx, tier, openmp=False)
+        except subprocess.CalledProcessError:
+            raise openmp_failed from None  # not OpenMP's doing: the first error says what is wrong
+        log.info("%s builds the kernels without OpenMP: they thread through their own pool", cxx)
+        return built
+
+
 @functools.cache
 def load(tier: str | None = None, openmp: bool = True) -> ctypes.CDLL | None:
     """The kernel library of a tier (default: the one this CPU runs, kernels/cpu_features.isa_tier), or
-    None where it cannot be built (no compiler, KVFLOW_CPU_KERNELS=0)."""
+    None where it cannot be built (no compiler, KVFLOW_CPU_KERNELS=0). openmp: OpenMP where the compiler
+    has it (build_threaded), else the thread pool always."""
     if os.environ.get("KVFLOW_CPU_KERNELS", "1") == "0":
         return None
     cxx = compiler()
@@ -138,7 +156,7 @@ def load(tier: str | None = None, openmp: bool = True) -> ctypes.CDLL | None:
 
     tier = tier or cpu_features.isa_tier()
     try:
-        return ctypes.CDLL(str(build(cxx, tier, openmp)))
+        return ctypes.CDLL(str(build_threaded(cxx, tier) if openmp else build(cxx, tier, openmp=False)))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or str(exc)
         log.warning("CPU kernels failed to build, using PyTorch ops instead: %s", detail.strip()[:500])
