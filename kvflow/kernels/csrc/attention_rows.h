@@ -344,10 +344,14 @@ void attend_kv_head(const float* q, const T* k_cache, const T* v_cache, const in
         for (int c = 1; c < V; ++c) a[i] = v::fmadd(v::load(qj + W * c), k[i][c], a[i]);
       }
       for (int i = P; i < 4; ++i) a[i] = v::zero();
-      float sums[4];
-      v::reduce4(a[0], a[1], a[2], a[3], sums);
       float* sc = sc_group + j * kMaxChunk + p;
-      for (int i = 0; i < P; ++i) sc[i] = sums[i] * k_scales[i] * s.scale;
+      if constexpr (P == 4 && !kScaled<T>) {  // scaled and stored as one vector, not four scalars
+        v::reduce4(a[0], a[1], a[2], a[3], s.scale, sc);
+      } else {
+        float sums[4];
+        v::reduce4(a[0], a[1], a[2], a[3], 1.f, sums);
+        for (int i = 0; i < P; ++i) sc[i] = sums[i] * k_scales[i] * s.scale;
+      }
     }
   }
   for (; p < n; ++p)
@@ -394,16 +398,15 @@ inline void score_two_queries(const float* qa, const float* qb, const float* k_h
         a[i] = v::fmadd(q, x, a[i]), b[i] = v::fmadd(r, x, b[i]);
       }
     }
-    v::reduce4(a[0], a[1], a[2], a[3], sums);
-    if (k_scales)
+    if (k_scales) {
+      v::reduce4(a[0], a[1], a[2], a[3], 1.f, sums);
       for (int i = 0; i < 4; ++i) sa[p + i] = sums[i] * k_scales[p + i] * scale;
-    else
-      for (int i = 0; i < 4; ++i) sa[p + i] = sums[i] * scale;
-    v::reduce4(b[0], b[1], b[2], b[3], sums);
-    if (k_scales)
+      v::reduce4(b[0], b[1], b[2], b[3], 1.f, sums);
       for (int i = 0; i < 4; ++i) sb[p + i] = sums[i] * k_scales[p + i] * scale;
-    else
-      for (int i = 0; i < 4; ++i) sb[p + i] = sums[i] * scale;
+    } else {
+      v::reduce4(a[0], a[1], a[2], a[3], scale, sa + p);
+      v::reduce4(b[0], b[1], b[2], b[3], scale, sb + p);
+    }
   }
 }
 

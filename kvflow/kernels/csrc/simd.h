@@ -126,15 +126,16 @@ inline vf round_nearest(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEA
 inline vf clear_below(vf v, vf x, vf limit) {  // v where x >= limit, else 0
   return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, limit, _CMP_GE_OQ), v);
 }
-// The four vectors' lane sums, into out[0..4).
-inline void reduce4(vf a0, vf a1, vf a2, vf a3, float* out) {
+// The four vectors' lane sums times scale, into out[0..4) (a vector multiply: one rounding, as a scalar one).
+inline void reduce4(vf a0, vf a1, vf a2, vf a3, float scale, float* out) {
   const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
   const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
   const __m512d d0 = _mm512_castps_pd(t0), d1 = _mm512_castps_pd(t1);
   const __m512 t2 = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(d0, d1)),
                                   _mm512_castpd_ps(_mm512_unpackhi_pd(d0, d1)));
   const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(t2), _mm512_extractf32x8_ps(t2, 1));
-  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1)));
+  const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+  _mm_storeu_ps(out, _mm_mul_ps(sums, _mm_set1_ps(scale)));
 }
 
 #elif defined(KVFLOW_SIMD_AVX2)
@@ -181,9 +182,10 @@ inline vf scale_by_pow2(vf p, vf k) {  // k within the exponent range (exp clamp
 }
 inline vf round_nearest(vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline vf clear_below(vf v, vf x, vf limit) { return _mm256_and_ps(v, _mm256_cmp_ps(x, limit, _CMP_GE_OQ)); }
-inline void reduce4(vf a0, vf a1, vf a2, vf a3, float* out) {
+inline void reduce4(vf a0, vf a1, vf a2, vf a3, float scale, float* out) {
   const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+  const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+  _mm_storeu_ps(out, _mm_mul_ps(sums, _mm_set1_ps(scale)));
 }
 
 #elif defined(KVFLOW_SIMD_NEON)
@@ -222,8 +224,8 @@ inline vf round_nearest(vf a) { return vrndnq_f32(a); }
 inline vf clear_below(vf v, vf x, vf limit) {
   return vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(v), vcgeq_f32(x, limit)));
 }
-inline void reduce4(vf a0, vf a1, vf a2, vf a3, float* out) {
-  vst1q_f32(out, vpaddq_f32(vpaddq_f32(a0, a1), vpaddq_f32(a2, a3)));
+inline void reduce4(vf a0, vf a1, vf a2, vf a3, float scale, float* out) {
+  vst1q_f32(out, vmulq_n_f32(vpaddq_f32(vpaddq_f32(a0, a1), vpaddq_f32(a2, a3)), scale));
 }
 
 #elif defined(KVFLOW_SIMD_SSE2)
@@ -282,10 +284,10 @@ inline vf round_nearest(vf a) {  // through int32 (nearest even); from 2^23 on a
   return _mm_or_ps(_mm_and_ps(whole, r), _mm_andnot_ps(whole, a));
 }
 inline vf clear_below(vf v, vf x, vf limit) { return _mm_and_ps(v, _mm_cmpge_ps(x, limit)); }
-inline void reduce4(vf a0, vf a1, vf a2, vf a3, float* out) {
+inline void reduce4(vf a0, vf a1, vf a2, vf a3, float scale, float* out) {
   const __m128 t0 = _mm_add_ps(_mm_unpacklo_ps(a0, a1), _mm_unpackhi_ps(a0, a1));
   const __m128 t1 = _mm_add_ps(_mm_unpacklo_ps(a2, a3), _mm_unpackhi_ps(a2, a3));
-  _mm_storeu_ps(out, _mm_add_ps(_mm_movelh_ps(t0, t1), _mm_movehl_ps(t1, t0)));
+  _mm_storeu_ps(out, _mm_mul_ps(_mm_add_ps(_mm_movelh_ps(t0, t1), _mm_movehl_ps(t1, t0)), _mm_set1_ps(scale)));
 }
 
 #else
@@ -313,7 +315,9 @@ inline float reduce_max(vf a) { return a; }
 inline vf scale_by_pow2(vf p, vf k) { return std::ldexp(p, static_cast<int>(k)); }
 inline vf round_nearest(vf a) { return std::nearbyint(a); }
 inline vf clear_below(vf v, vf x, vf limit) { return x >= limit ? v : 0.f; }
-inline void reduce4(vf a0, vf a1, vf a2, vf a3, float* out) { out[0] = a0, out[1] = a1, out[2] = a2, out[3] = a3; }
+inline void reduce4(vf a0, vf a1, vf a2, vf a3, float scale, float* out) {
+  out[0] = a0 * scale, out[1] = a1 * scale, out[2] = a2 * scale, out[3] = a3 * scale;
+}
 #endif
 
 // x rounded to the nearest integer, ties to even (|x| < 2^31): one instruction on x86-64 (in the default
