@@ -211,8 +211,11 @@ def test_native_decoder_agrees_on_every_tier(fast_loaded):
     executor.eight_bit_min_rows = 0
     prompts = [list(range(300, 320)), list(range(900, 907)), [5, 6, 7]]
     results = {}
-    for tier in TIERS:
-        executor.forward_native = library(tier).kvflow_decoder_forward
+    libraries = {tier: library(tier) for tier in TIERS}
+    if other_avx2_library() is not None:  # the AVX2 tier's other packed-matmul path, through the whole decoder
+        libraries["avx2, other path"] = other_avx2_library()
+    for tier, lib in libraries.items():
+        executor.forward_native = lib.kvflow_decoder_forward
         for k_cache, v_cache in executor.kv_caches:
             k_cache.zero_()
             v_cache.zero_()
