@@ -76,12 +76,36 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++"))
 
 
-def compile_flags(tier: str, openmp: bool = True) -> tuple[str, ...]:
-    """A tier's flags, then $KVFLOW_KERNEL_FLAGS (space-separated; for measuring a variant end to end, as
+# Flags for a feature within a tier that an older compiler may not know (AVX-VNNI: GCC 11, clang 12), and
+# what to build with instead there: the tier's plain path, rather than no library at all.
+_NEWER_FLAGS = {"-mavxvnni": None, "-march=armv8.2-a+dotprod+i8mm": "-march=armv8.2-a+dotprod"}
+
+
+@functools.cache
+def compiler_accepts(cxx: str, flag: str) -> bool:
+    """Whether the compiler takes this flag (a preprocessor run over nothing: a few milliseconds)."""
+    try:
+        done = subprocess.run([cxx, flag, "-x", "c++", "-E", "-o", os.devnull, "-"], input="", capture_output=True,
+                              text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
+
+
+def compile_flags(tier: str, openmp: bool = True, cxx: str | None = None) -> tuple[str, ...]:
+    """A tier's flags (each newer one the compiler cxx refuses replaced: _NEWER_FLAGS), then
+    $KVFLOW_KERNEL_FLAGS (space-separated; for measuring a variant end to end, as
     `KVFLOW_ISA=avx2 KVFLOW_KERNEL_FLAGS="$(python -m kvflow.kernels.build --avx2-vnni-evex)"`). They name
     the library too, so a variant never replaces the plain build."""
+    flags = []
+    for flag in tier_flags(tier):
+        if cxx is not None and flag in _NEWER_FLAGS and not compiler_accepts(cxx, flag):
+            log.info("%s does not take %s: the %s tier's plain path instead", cxx, flag, tier)
+            flag = _NEWER_FLAGS[flag]
+        if flag is not None:
+            flags.append(flag)
     threading = ("-fopenmp",) if openmp else ("-DKVFLOW_NO_OPENMP", "-pthread")
-    return (*COMMON_FLAGS, *tier_flags(tier), *threading, *os.environ.get("KVFLOW_KERNEL_FLAGS", "").split())
+    return (*COMMON_FLAGS, *flags, *threading, *os.environ.get("KVFLOW_KERNEL_FLAGS", "").split())
 
 
 @functools.cache
@@ -95,7 +119,7 @@ def sources_digest() -> str:
 
 def _library_path(cxx: str, tier: str, openmp: bool) -> Path:
     digest = hashlib.sha256(sources_digest().encode())
-    digest.update(" ".join((cxx, *compile_flags(tier, openmp), platform.machine())).encode())
+    digest.update(" ".join((cxx, *compile_flags(tier, openmp, cxx), platform.machine())).encode())
     suffix = "" if openmp else "-threads"
     return cache_dir() / f"libkvflow_cpu-{tier}{suffix}-{digest.hexdigest()[:16]}.so"
 
@@ -103,7 +127,7 @@ def _library_path(cxx: str, tier: str, openmp: bool) -> Path:
 def compile_library(cxx: str, tier: str, csrc: Path, out: Path, openmp: bool = True,
                     extra_flags: tuple[str, ...] = ()) -> None:
     """Compile the kernel sources in `csrc` (this package's, or another version of them) into `out`."""
-    subprocess.run([cxx, *compile_flags(tier, openmp), *extra_flags, *[str(csrc / name) for name in SOURCES], "-o",
+    subprocess.run([cxx, *compile_flags(tier, openmp, cxx), *extra_flags, *[str(csrc / name) for name in SOURCES], "-o",
                     str(out)], check=True, capture_output=True, text=True)
 
 

@@ -6,6 +6,7 @@ falls back to PyTorch ops). CI's machines have AVX-512, so this checks the other
 
 from __future__ import annotations
 
+import platform
 import subprocess
 from pathlib import Path
 
@@ -58,3 +59,18 @@ def test_a_build_failing_for_another_reason_reports_its_own_error(tmp_path, monk
         build.build_threaded(cxx, "generic")
     assert "disk full" in failed.value.stderr
     assert "-fopenmp" in failed.value.cmd  # the OpenMP attempt's error, not the fallback's
+
+
+@pytest.mark.skipif(build.compiler() is None, reason="needs a C++ compiler")
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the x86 tiers' flags")
+def test_a_compiler_too_old_for_avx_vnni_builds_the_plain_avx2_path(tmp_path, monkeypatch):
+    """GCC before 11 has no -mavxvnni: on an AVX-VNNI CPU the avx2 library is then built without it (the
+    plain AVX2 path), not refused altogether."""
+    monkeypatch.setattr(build.cpu_features, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c", "avx_vnni"}))
+    old = compiler_wrapper(tmp_path / "g++-10",
+                           '[ "$a" = -mavxvnni ] && { echo "unrecognized option -mavxvnni" >&2; exit 1; }')
+    assert "-mavxvnni" in build.compile_flags("avx2", cxx=build.compiler())
+    flags = build.compile_flags("avx2", cxx=old)
+    assert "-mavxvnni" not in flags and "-mavx2" in flags
+    neon = build.tier_flags("neon", machine="aarch64", flags=frozenset({"asimd", "asimddp", "i8mm"}))
+    assert build._NEWER_FLAGS[neon[0]] == "-march=armv8.2-a+dotprod"  # i8mm's flag falls back to dotprod's
