@@ -150,10 +150,10 @@ def build(cxx: str, tier: str, openmp: bool = True) -> Path:
 
 def build_threaded(cxx: str, tier: str) -> Path:
     """The OpenMP build, or the thread-pool one where the compiler has no OpenMP (Apple's clang rejects
-    -fopenmp): then the first start's failed attempt is remembered by the library it built instead."""
-    with_openmp, threads_only = _library_path(cxx, tier, True), _library_path(cxx, tier, False)
-    if threads_only.exists() and not with_openmp.exists():
-        return threads_only
+    -fopenmp). A marker beside the OpenMP library's name remembers that, so later starts do not try again."""
+    no_openmp = _library_path(cxx, tier, True).with_suffix(".no-openmp")
+    if no_openmp.exists():
+        return build(cxx, tier, openmp=False)
     try:
         return build(cxx, tier, openmp=True)
     except subprocess.CalledProcessError as openmp_failed:
@@ -162,6 +162,7 @@ def build_threaded(cxx: str, tier: str) -> Path:
         except subprocess.CalledProcessError:
             raise openmp_failed from None  # not OpenMP's doing: the first error says what is wrong
         log.info("%s builds the kernels without OpenMP: they thread through their own pool", cxx)
+        no_openmp.write_text(openmp_failed.stderr or "")
         return built
 
 

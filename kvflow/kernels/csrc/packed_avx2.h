@@ -1,13 +1,14 @@
 // The packed matmul on AVX2 (no VNNI): each 32-byte half of a code row (8 columns x 4 inputs) times four
 // input digits through vpmaddubsw (unsigned codes x signed digits, pairs summed to 16 bits) and vpmaddwd
-// (pairs summed to 32 bits), as llama.cpp's AVX2 dot products do.
+// (pairs summed to 32 bits), as llama.cpp's AVX2 dot products do. CPUs with AVX-VNNI take
+// packed_avx2_vnni.h's tiles instead (Avx2 below chooses at compile time).
 //
 // vpmaddubsw saturates, so each product must stay small: 4-bit codes (0..15) times digits (-128..127)
 // give at most 3,840 per pair, and eight steps of a block summed in 16 bits stay below 32,767. 6-bit
 // codes go whole, two steps summed in 16 bits and then in 32. 8-bit codes go as their low nibble and the
 // rest (c = 16 h + l), recombined in 32 bits; except times 16-bit inputs, which go through vpmaddwd on
-// whole inputs (tile_wide). Every sum is exact, and
-// the float epilogue is the VNNI path's, lane for lane: the result is bitwise the same.
+// whole inputs (tile_wide). Every sum is exact, and the float epilogue is the VNNI path's, lane for lane:
+// the result is bitwise the same.
 #pragma once
 
 #include <immintrin.h>
