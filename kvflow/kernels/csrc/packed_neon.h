@@ -23,6 +23,16 @@ inline int8x16_t broadcast4(const int8_t* p) {  // four input digits, in every 3
   return vreinterpretq_s8_s32(vdupq_n_s32(v));
 }
 
+// A 6-bit block's codes of 4-bit row `row`, quarter q: its low nibbles (inputs 8 row .. + 3) and high
+// ones (+ 4 .. + 7) given their top two bits, from row row / 2 of them, above each.
+inline void add_top_bits(const uint8_t* block, int block_inputs, int row, int q, uint8x16_t* low, uint8x16_t* high) {
+  const uint8x16_t top_pair = vdupq_n_u8(0x30);
+  const uint8x16_t top = vld1q_u8(block + top_bits_at(block_inputs) + 64 * (row / 2) + 16 * q);
+  const uint8x16_t pairs = row % 2 ? vshrq_n_u8(top, 4) : top;
+  *low = vorrq_u8(*low, vandq_u8(vshlq_n_u8(pairs, 4), top_pair));
+  *high = vorrq_u8(*high, vandq_u8(vshlq_n_u8(pairs, 2), top_pair));
+}
+
 // M rows' results for the 16 columns of group g, four a vector, as many as exist (the last group may hold
 // fewer).
 template <int M>
@@ -82,7 +92,6 @@ void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, in
     const std::integral_constant<int, 0> plain;
     const std::integral_constant<int, 4> high;
     const int rows_per_block = eight_bit ? w.block / 4 : w.block / 8;
-    const uint8x16_t top_pair = vdupq_n_u8(0x30);
     if (book) {  // indices as the 4-bit rows; each looked up in the codebook's two nibble tables
       for (int row = 0; row < rows_per_block; ++row) {
         int8x16_t lo[4], hi[4], lo_top[4], hi_top[4];
@@ -105,12 +114,7 @@ void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, in
       for (int q = 0; q < 4; ++q) {
         const uint8x16_t v = vld1q_u8(block + 64 * row + 16 * q);
         uint8x16_t v_lo = vandq_u8(v, low_nibble), v_hi = vshrq_n_u8(v, 4);
-        if (six_bit) {  // each nibble's top two bits, from row row / 2 of them, above it
-          const uint8x16_t top = vld1q_u8(block + top_bits_at(w.block) + 64 * (row / 2) + 16 * q);
-          const uint8x16_t pairs = row % 2 ? vshrq_n_u8(top, 4) : top;
-          v_lo = vorrq_u8(v_lo, vandq_u8(vshlq_n_u8(pairs, 4), top_pair));
-          v_hi = vorrq_u8(v_hi, vandq_u8(vshlq_n_u8(pairs, 2), top_pair));
-        }
+        if (six_bit) add_top_bits(block, w.block, row, q, &v_lo, &v_hi);
         lo[q] = vreinterpretq_s8_u8(v_lo);
         hi[q] = vreinterpretq_s8_u8(v_hi);
       }
@@ -140,7 +144,7 @@ void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, in
 
 }  // namespace kvflow::packed
 
-#include "packed_neon_i8mm.h"  // after store_quarters, which it uses
+#include "packed_neon_i8mm.h"  // after add_top_bits and store_quarters, which it uses
 
 namespace kvflow::packed {
 

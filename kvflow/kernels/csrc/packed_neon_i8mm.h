@@ -3,7 +3,8 @@
 // multiplies two columns' 8 codes (unsigned) by two rows' 8 input digits (signed) into their four 32-bit
 // sums: 32 products an instruction, where vdotq_s32 makes 16. Unsigned codes go whole, so 8-bit codes
 // and codebook entries need no split into nibbles. The integer sums are the same exact integers and the
-// float epilogue is the other tiers', lane for lane: the result is bitwise the same.
+// float epilogue is the other tiers', lane for lane: the result is bitwise the same. Included by
+// packed_neon.h, whose add_top_bits and store_quarters it uses.
 #pragma once
 
 #if defined(__ARM_FEATURE_MATMUL_INT8)
@@ -33,7 +34,7 @@ void tile_two_rows(const KvflowPackedWeight& w, int64_t g, const Rows& rows, flo
              book = w.codebook != 0;
   const float32x4_t minus_centre = vdupq_n_f32(-static_cast<float>(w.centre));
   const uint8_t* base = w.data + static_cast<size_t>(g) * nb * chunk;
-  const uint8x16_t low_nibble = vdupq_n_u8(0x0f), top_pair = vdupq_n_u8(0x30), table = vld1q_u8(kCodebook[w.codebook]);
+  const uint8x16_t low_nibble = vdupq_n_u8(0x0f), table = vld1q_u8(kCodebook[w.codebook]);
   float32x4_t acc[2][4];
   for (int r = 0; r < 2; ++r)
     for (int q = 0; q < 4; ++q) acc[r][q] = vdupq_n_f32(0.f);
@@ -62,11 +63,8 @@ void tile_two_rows(const KvflowPackedWeight& w, int64_t g, const Rows& rows, flo
         } else {  // one code row: low nibbles are inputs 8 oct .. + 3, high ones + 4 .. + 7
           const uint8x16_t v = vld1q_u8(block + 64 * oct + 16 * q);
           first = vandq_u8(v, low_nibble), second = vshrq_n_u8(v, 4);
-          if (six_bit) {  // each nibble's top two bits, from row oct / 2 of them, above it
-            const uint8x16_t top = vld1q_u8(block + top_bits_at(w.block) + 64 * (oct / 2) + 16 * q);
-            const uint8x16_t bits = oct % 2 ? vshrq_n_u8(top, 4) : top;
-            first = vorrq_u8(first, vandq_u8(vshlq_n_u8(bits, 4), top_pair));
-            second = vorrq_u8(second, vandq_u8(vshlq_n_u8(bits, 2), top_pair));
+          if (six_bit) {
+            add_top_bits(block, w.block, oct, q, &first, &second);
           } else if (book) {
             first = vqtbl1q_u8(table, first), second = vqtbl1q_u8(table, second);
           }
