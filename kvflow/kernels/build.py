@@ -92,14 +92,21 @@ def compiler_accepts(cxx: str, flag: str) -> bool:
     return done.returncode == 0
 
 
-def compile_flags(tier: str, openmp: bool = True, cxx: str | None = None) -> tuple[str, ...]:
-    """A tier's flags (each newer one the compiler cxx refuses replaced: _NEWER_FLAGS), then
+def avx2_vnni_evex_runs(cxx: str | None) -> bool:
+    """Whether a build with AVX2_VNNI_EVEX_FLAGS runs here: a CPU with AVX512-VNNI and VL, and a compiler
+    that takes those flags (GCC; clang has neither -ffixed-xmm nor the header's GCC target pragma)."""
+    return (cxx is not None and {"avx2", "fma", "f16c", "avx512_vnni", "avx512vl"} <= cpu_features.cpu_flags()
+            and compiler_accepts(cxx, AVX2_VNNI_EVEX_FLAGS[1]))
+
+
+def compile_flags(tier: str, cxx: str, openmp: bool = True) -> tuple[str, ...]:
+    """A tier's flags for the compiler cxx (each newer one it refuses replaced: _NEWER_FLAGS), then
     $KVFLOW_KERNEL_FLAGS (space-separated; for measuring a variant end to end, as
     `KVFLOW_ISA=avx2 KVFLOW_KERNEL_FLAGS="$(python -m kvflow.kernels.build --avx2-vnni-evex)"`). They name
     the library too, so a variant never replaces the plain build."""
     flags = []
     for flag in tier_flags(tier):
-        if cxx is not None and flag in _NEWER_FLAGS and not compiler_accepts(cxx, flag):
+        if flag in _NEWER_FLAGS and not compiler_accepts(cxx, flag):
             log.info("%s does not take %s: the %s tier's plain path instead", cxx, flag, tier)
             flag = _NEWER_FLAGS[flag]
         if flag is not None:
@@ -119,7 +126,7 @@ def sources_digest() -> str:
 
 def _library_path(cxx: str, tier: str, openmp: bool) -> Path:
     digest = hashlib.sha256(sources_digest().encode())
-    digest.update(" ".join((cxx, *compile_flags(tier, openmp, cxx), platform.machine())).encode())
+    digest.update(" ".join((cxx, *compile_flags(tier, cxx, openmp), platform.machine())).encode())
     suffix = "" if openmp else "-threads"
     return cache_dir() / f"libkvflow_cpu-{tier}{suffix}-{digest.hexdigest()[:16]}.so"
 
@@ -127,7 +134,7 @@ def _library_path(cxx: str, tier: str, openmp: bool) -> Path:
 def compile_library(cxx: str, tier: str, csrc: Path, out: Path, openmp: bool = True,
                     extra_flags: tuple[str, ...] = ()) -> None:
     """Compile the kernel sources in `csrc` (this package's, or another version of them) into `out`."""
-    subprocess.run([cxx, *compile_flags(tier, openmp, cxx), *extra_flags, *[str(csrc / name) for name in SOURCES], "-o",
+    subprocess.run([cxx, *compile_flags(tier, cxx, openmp), *extra_flags, *[str(csrc / name) for name in SOURCES], "-o",
                     str(out)], check=True, capture_output=True, text=True)
 
 

@@ -73,8 +73,9 @@ def cpu_flags() -> frozenset[str]:
 
 @functools.cache
 def cpu_name() -> str:
-    if platform.system() == "Darwin" and _sysctl("machdep.cpu.brand_string"):
-        return _sysctl("machdep.cpu.brand_string")  # "Apple M2 Pro"
+    brand = _sysctl("machdep.cpu.brand_string") if platform.system() == "Darwin" else ""
+    if brand:
+        return brand  # "Apple M2 Pro"
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

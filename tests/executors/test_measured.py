@@ -35,7 +35,8 @@ def test_a_burst_in_one_round_does_not_move_the_ratio(monkeypatch: pytest.Monkey
 
 def test_the_real_measure_times_both_kernels() -> None:
     """Shape only: a positive, finite ratio from the packed kernel and oneDNN on this CPU."""
-    if not measured.packed_matmul.available():
+    if not measured.packed_matmul.available():  # no compiler: no packed kernel to time, and bf16_copies_pay
+        # answers no without measuring (test_no_copies_without_native_bfloat16's path); CI has g++
         pytest.skip("the native kernels did not build here")
     ratio = measured.measure_bf16_speedup()
     assert 0 < ratio < float("inf")

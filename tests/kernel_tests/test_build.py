@@ -18,7 +18,10 @@ SOURCES = [str(Path(build.__file__).parent / "csrc" / name) for name in build.SO
 
 
 # Without a compiler there is nothing to build (kvflow then runs PyTorch ops, tested elsewhere); CI has g++.
-@pytest.mark.skipif(build.compiler() is None, reason="needs a C++ compiler")
+needs_compiler = pytest.mark.skipif(build.compiler() is None, reason="needs a C++ compiler")
+
+
+@needs_compiler
 @pytest.mark.parametrize("arch", ["x86-64-v2", "x86-64-v3"])  # SSE4.2 only; AVX2 without AVX-512
 def test_sources_compile_without_avx512(arch):
     result = subprocess.run([build.compiler(), "-std=c++17", "-fopenmp", "-fsyntax-only", f"-march={arch}",
@@ -34,7 +37,7 @@ def compiler_wrapper(path: Path, rule: str) -> str:
     return str(path)
 
 
-@pytest.mark.skipif(build.compiler() is None, reason="needs a C++ compiler")
+@needs_compiler
 def test_a_compiler_without_openmp_builds_the_thread_pool_library(tmp_path, monkeypatch):
     """Apple's clang rejects -fopenmp: the kernels are built with their own thread pool instead, and later
     starts take that library at once rather than failing the OpenMP build again."""
@@ -51,7 +54,7 @@ def test_a_compiler_without_openmp_builds_the_thread_pool_library(tmp_path, monk
     assert log.read_text() == ""  # no compiler run at all the second time
 
 
-@pytest.mark.skipif(build.compiler() is None, reason="needs a C++ compiler")
+@needs_compiler
 def test_a_build_failing_for_another_reason_reports_its_own_error(tmp_path, monkeypatch):
     monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path / "cache"))
     cxx = compiler_wrapper(tmp_path / "g++", 'case "$a" in *packed_matmul.cpp) echo "disk full" >&2; exit 1;; esac')
@@ -61,7 +64,9 @@ def test_a_build_failing_for_another_reason_reports_its_own_error(tmp_path, monk
     assert "-fopenmp" in failed.value.cmd  # the OpenMP attempt's error, not the fallback's
 
 
-@pytest.mark.skipif(build.compiler() is None, reason="needs a C++ compiler")
+@needs_compiler
+# The x86 tiers' flags: an ARM host's compiler does not take -mavxvnni at all (test_cpu_features checks
+# the ARM tiers' flags and test_native_builds their builds).
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the x86 tiers' flags")
 def test_a_compiler_too_old_for_avx_vnni_builds_the_plain_avx2_path(tmp_path, monkeypatch):
     """GCC before 11 has no -mavxvnni: on an AVX-VNNI CPU the avx2 library is then built without it (the

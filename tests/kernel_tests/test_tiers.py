@@ -45,14 +45,12 @@ def library(tier: str):
 def other_avx2_flags() -> tuple[str, ...] | None:
     """Flags for the AVX2 tier's packed-matmul path that this CPU's own avx2 library does not take: plain
     AVX2 where the CPU has AVX-VNNI (its library takes packed_avx2_vnni.h), else the VNNI path in its
-    AVX512-VNNI form where the CPU has that (build.AVX2_VNNI_EVEX_FLAGS; a GCC pragma). None: neither."""
-    flags = cpu_features.cpu_flags()
+    AVX512-VNNI form where that runs (build.avx2_vnni_evex_runs). None: neither."""
     if "avx2" not in TIERS:
         return None
-    if "avx_vnni" in flags:
+    if "avx_vnni" in cpu_features.cpu_flags():
         return ("-mno-avxvnni",)
-    gcc = "clang" not in Path(build.compiler() or "").name
-    return build.AVX2_VNNI_EVEX_FLAGS if {"avx512_vnni", "avx512vl"} <= flags and gcc else None
+    return build.AVX2_VNNI_EVEX_FLAGS if build.avx2_vnni_evex_runs(build.compiler()) else None
 
 
 @functools.cache
@@ -72,7 +70,8 @@ def test_both_avx2_paths_are_built_where_the_cpu_runs_them():
     """The AVX2 tier's two packed-matmul paths, plain and VNNI, each really taken by one of the libraries
     the tests compare (test_packed_matmul_...), wherever this CPU can run both."""
     other = other_avx2_library()
-    if other is None:
+    if other is None:  # an AVX2 CPU without VNNI in either form (or a compiler without the EVEX flags):
+        # its one path is the avx2 library every other test here compares
         pytest.skip("this CPU runs one AVX2 path only (no AVX-VNNI, nor AVX512-VNNI with VL and GCC)")
     paths = {packed_matmul.PATHS[lib.kvflow_packed_matmul_path()] for lib in (library("avx2"), other)}
     assert paths == {"AVX2", "AVX2 and AVX-VNNI"}

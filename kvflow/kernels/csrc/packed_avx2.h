@@ -381,8 +381,6 @@ struct Avx2 {
     // Two digits need twice the accumulators: fewer rows a pass in the 16 registers.
     digit_passes<Avx2, kTwoDigitRows, M>(w, g_lo, g_hi, rows, y, ys);
   }
-  // Groups [g_lo, g_hi) for M rows: both halves of a group at once where the registers allow (one row of
-  // 4- or 6-bit codes), else one half at a time.
   template <int M, bool Two>
   static void blocks(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y,
                      int64_t ys) {
@@ -394,25 +392,17 @@ struct Avx2 {
   template <int Block, int M, bool Two>
   static void with_format(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y,
                           int64_t ys) {
-#ifdef KVFLOW_AVX2_VNNI
-    if (w.codebook)  // centred on 128: always an offset
-      return avx2::groups_vnni<Block, M, Two, 4, true, true>(w, g_lo, g_hi, rows, y, ys);
-#else
+#ifndef KVFLOW_AVX2_VNNI
     if constexpr (Two && M <= 2) {  // 8-bit codes times 16-bit inputs: vpmaddwd on whole inputs (tile_wide)
       if (w.bits == 8) {
         for (int64_t g = g_lo; g < g_hi; ++g) avx2::tile_wide<Block, M>(w, g, rows, y, ys);
         return;
       }
     }
-    if (w.codebook) {  // centred on 128: always an offset
-      for (int64_t g = g_lo; g < g_hi; ++g) {
-        avx2::tile<Block, M, 1, Two, 4, true, true>(w, g, 0, rows, y, ys);
-        avx2::tile<Block, M, 1, Two, 4, true, true>(w, g, 1, rows, y, ys);
-      }
-      return;
-    }
 #endif
-    if (w.bits == 4)
+    if (w.codebook)  // centred on 128: always an offset
+      groups<Block, M, Two, 4, true, true>(w, g_lo, g_hi, rows, y, ys);
+    else if (w.bits == 4)
       with_offset<Block, M, Two, 4>(w, g_lo, g_hi, rows, y, ys);
     else if (w.bits == 6)
       with_offset<Block, M, Two, 6>(w, g_lo, g_hi, rows, y, ys);
@@ -425,19 +415,32 @@ struct Avx2 {
     w.has_offset || w.centre ? groups<Block, M, Two, Bits, true>(w, g_lo, g_hi, rows, y, ys)
                              : groups<Block, M, Two, Bits, false>(w, g_lo, g_hi, rows, y, ys);
   }
-  template <int Block, int M, bool Two, int Bits, bool HasOffset>
+  // Groups [g_lo, g_hi) for M rows: both halves of a group in one pass where its accumulators fit the 16
+  // registers, else a half at a time. With VNNI a row and half holds one or two int32 sums and a float
+  // result; without, 16-bit sums per digit and nibble as well: there only one row of 4- or 6-bit codes.
+  template <int Block, int M, bool Two, int Bits, bool HasOffset, bool Book = false>
   static void groups(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y, int64_t ys) {
 #ifdef KVFLOW_AVX2_VNNI
-    avx2::groups_vnni<Block, M, Two, Bits, HasOffset, false>(w, g_lo, g_hi, rows, y, ys);
+    constexpr bool both = M * 2 * (Two ? 3 : 2) <= 8;
 #else
+    constexpr bool both = M == 1 && !Book && (Bits == 4 || Bits == 6);
+#endif
     for (int64_t g = g_lo; g < g_hi; ++g) {
-      if constexpr (M == 1 && (Bits == 4 || Bits == 6)) {
-        avx2::tile<Block, 1, 2, Two, Bits, HasOffset>(w, g, 0, rows, y, ys);
+      if constexpr (both) {
+        tile<Block, M, 2, Two, Bits, HasOffset, Book>(w, g, 0, rows, y, ys);
       } else {
-        avx2::tile<Block, M, 1, Two, Bits, HasOffset>(w, g, 0, rows, y, ys);
-        avx2::tile<Block, M, 1, Two, Bits, HasOffset>(w, g, 1, rows, y, ys);
+        tile<Block, M, 1, Two, Bits, HasOffset, Book>(w, g, 0, rows, y, ys);
+        tile<Block, M, 1, Two, Bits, HasOffset, Book>(w, g, 1, rows, y, ys);
       }
     }
+  }
+  // H halves of group g from `half` on, through this build's tile.
+  template <int Block, int M, int H, bool Two, int Bits, bool HasOffset, bool Book>
+  static void tile(const KvflowPackedWeight& w, int64_t g, int half, const Rows& rows, float* y, int64_t ys) {
+#ifdef KVFLOW_AVX2_VNNI
+    avx2::tile_vnni<Block, M, H, Two, Bits, HasOffset, Book>(w, g, half, rows, y, ys);
+#else
+    avx2::tile<Block, M, H, Two, Bits, HasOffset, Book>(w, g, half, rows, y, ys);
 #endif
   }
 };

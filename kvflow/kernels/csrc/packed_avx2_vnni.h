@@ -111,21 +111,6 @@ void tile_vnni(const KvflowPackedWeight& w, int64_t g, int half, const Rows& row
   }
 }
 
-// Groups [g_lo, g_hi) for M rows: both halves of a group in one pass where the accumulators fit the 16
-// registers (the int32 sums, one or two a row and half, and the float results), else a half at a time.
-template <int Block, int M, bool Two, int Bits, bool HasOffset, bool Book>
-void groups_vnni(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y, int64_t ys) {
-  constexpr bool both = M * 2 * (Two ? 3 : 2) <= 8;
-  for (int64_t g = g_lo; g < g_hi; ++g) {
-    if constexpr (both) {
-      tile_vnni<Block, M, 2, Two, Bits, HasOffset, Book>(w, g, 0, rows, y, ys);
-    } else {
-      tile_vnni<Block, M, 1, Two, Bits, HasOffset, Book>(w, g, 0, rows, y, ys);
-      tile_vnni<Block, M, 1, Two, Bits, HasOffset, Book>(w, g, 1, rows, y, ys);
-    }
-  }
-}
-
 }  // namespace kvflow::packed::avx2
 
 #if !defined(__AVXVNNI__)
