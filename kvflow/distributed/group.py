@@ -93,9 +93,19 @@ def join(rank: int, world_size: int, init_method: str, device: str = "cpu",
         raise RuntimeError("this process already belongs to a tensor-parallel group")
     timeout = timedelta(seconds=timeout_s or float(os.environ.get("KVFLOW_TP_TIMEOUT", DEFAULT_TIMEOUT_S)))
     backend = backend_for(device)
+    _import_collectives_with_defaults()
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
     _GROUP = TensorParallelGroup(rank, world_size, backend)
     return _GROUP
+
+
+def _import_collectives_with_defaults() -> None:
+    """torch.distributed.nn's collectives take `group=group.WORLD` as a default argument, read once, when the
+    module is imported. Imported after init_process_group (transformers imports it while it loads a
+    tokenizer), those defaults hold the group: destroy_process_group cannot free it, and its gloo threads
+    live on into interpreter teardown, where they abort the process now and then ("terminate called without
+    an active exception"). Imported before, the defaults are None."""
+    import torch.distributed.nn  # noqa: F401
 
 
 def join_from_env(world_size: int, device: str = "cpu") -> TensorParallelGroup:

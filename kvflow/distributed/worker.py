@@ -6,6 +6,7 @@ node: ranks other than 0 land here instead of serving). It never samples, schedu
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import sys
@@ -72,4 +73,5 @@ def run(model_config: ModelConfig) -> int:
 
 
 if __name__ == "__main__":
+    faulthandler.enable()  # a rank that dies in native code says where, in its own stderr
     sys.exit(spawned_main(sys.argv[1:]))

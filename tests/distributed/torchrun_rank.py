@@ -6,6 +6,7 @@ tokens and every step's logits; the other ranks run rank 0's steps on their shar
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 
@@ -34,4 +35,5 @@ def main(model: str, out: str) -> int:
 
 
 if __name__ == "__main__":
+    faulthandler.enable()  # a native abort prints this rank's Python stack into the test's log
     sys.exit(main(sys.argv[1], sys.argv[2]))
