@@ -43,6 +43,9 @@ def run(model_config: ModelConfig) -> int:
     from kvflow.engine.runner import ModelRunner
     from kvflow.executors.model_setup import load_model, set_threads
 
+    # This process is the rank (spawned by launch.py, or by torchrun through `kvflow serve`): one that dies
+    # in native code prints its Python stack to its own stderr.
+    faulthandler.enable()
     set_threads(model_config.threads)
     torch.manual_seed(model_config.seed)
     tp = group.current()
@@ -73,5 +76,4 @@ def run(model_config: ModelConfig) -> int:
 
 
 if __name__ == "__main__":
-    faulthandler.enable()  # a rank that dies in native code says where, in its own stderr
     sys.exit(spawned_main(sys.argv[1:]))
