@@ -23,7 +23,7 @@ from kvflow.distributed.group import TensorParallelGroup
 from kvflow.distributed.sharding import WeightSharder, install_reductions, shard_arch
 from kvflow.executors import compile as compiling
 from kvflow.executors.model_figures import prefill_matmul_kind, weight_bytes_read_per_step
-from kvflow.executors.native_model import NativeModel
+from kvflow.executors.native_model import NativeModel, reason_unsupported
 from kvflow.executors.plan import ExecutionPlan, plan_execution
 from kvflow.executors.thresholds import ROW_THRESHOLDS
 from kvflow.kernels import abi, packed_matmul
@@ -157,11 +157,14 @@ def prepare_model(loaded: LoadedModel) -> None:
     if plan.fast_cpu:
         packed = [m.packed for m in model.modules() if isinstance(m, PackedLinear)]
         packed_matmul.move_to_huge_pages(packed)
-        if plan.bf16_copies:
+        # The native decoder runs a whole step in one C++ call: no room for the ranks' sums between layers.
+        native = loaded.tensor_parallel is None and reason_unsupported(model) is None
+        # Its dense path has no experts: a mixture of experts runs natively on the packed kernel alone, so
+        # copies there would cost memory (and round differently from the steps that run) for nothing.
+        if plan.bf16_copies and not (native and loaded.arch.num_experts > 0):
             added = make_bf16_copies(model, ROW_THRESHOLDS.layers_dense_min_rows)
             log.info("bfloat16 copies of the weights for many-row matmuls (+%.0f MiB)", added / 2**20)
-        # The native decoder runs a whole step in one C++ call: no room for the ranks' sums between layers.
-        loaded.native = NativeModel.for_model(model) if loaded.tensor_parallel is None else None
+        loaded.native = NativeModel(model) if native else None
         if loaded.native is not None:
             log.info("steps run natively (one C++ call a step); many-row steps on bfloat16 copies: %s",
                      loaded.native.dense_t is not None)

@@ -21,6 +21,7 @@ from kvflow.config import ModelConfig
 from kvflow.engine.request import Request
 from kvflow.engine.scheduler_output import ScheduledSequence
 from kvflow.executors import native_model
+from kvflow.executors import plan as plan_module
 from kvflow.executors.cpu_fast import CpuFastExecutor
 from kvflow.executors.model_setup import load_model, make_bf16_copies
 from kvflow.executors.native_model import NativeModel
@@ -63,6 +64,15 @@ def sixteen_bit_inputs(monkeypatch) -> None:
     fast mode close to the exact mode or to float32 (neither quantizes inputs to 8 bits; on the AVX2 tier
     even a decode step of two sequences would take 8-bit ones)."""
     monkeypatch.setattr(RowThresholds, "eight_bit_min_rows", lambda self, tier: 0)
+
+
+@pytest.fixture
+def packed_matmuls_only(monkeypatch) -> None:
+    """No bfloat16 weight copies in the models loaded from now on (as on a CPU without native bfloat16):
+    every matmul of both the native decoder and the PyTorch layers runs on the packed kernel. For the tests
+    that hold the two to one packed path; with copies (AMX), a prompt's steps round weights and activations
+    to bfloat16 at different points on each side, a difference the dense tests bound on their own."""
+    monkeypatch.setattr(plan_module, "bf16_copies_pay", lambda: False)
 
 
 @pytest.fixture
@@ -214,7 +224,7 @@ def test_dense_many_row_steps_stay_as_close_to_float32_as_the_pytorch_layers(den
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3_longrope", "mistral_window", "qwen3_moe", "mixtral",
                                   "gemma2", "gemma3", "gpt_oss"])
-@pytest.mark.usefixtures("sixteen_bit_inputs")
+@pytest.mark.usefixtures("sixteen_bit_inputs", "packed_matmuls_only")
 def test_bias_and_head_norms_against_the_pytorch_layers(tiny_checkpoints, arch, native_steps, tmp_path):
     """Qwen2's q/k/v bias, Qwen3's per-head q/k norms, LongRoPE's scaled rotary table, a sliding window
     on every layer, mixtures of experts (Qwen3-MoE with a dense layer, without renormalized weights;
@@ -250,6 +260,22 @@ def test_native_experts_do_not_depend_on_the_batch(tiny_checkpoints, native_step
                         enable_prefix_caching=False).generate(prompts, PARAMS)
     assert native_steps[0] - steps_alone >= 24 and native_steps[1] == 0
     assert_close_outputs(alone, together, 1e-5, ties=False)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_bf16_copies_only_where_the_native_decoder_multiplies_them(tiny_checkpoints, monkeypatch, arch):
+    """Where the copies pay (AMX), a dense model gets them and the native decoder's many-row steps use
+    them; a mixture of experts runs natively on the packed kernel alone (the dense path has no experts),
+    so it gets none: they would cost memory, and make its PyTorch layers round unlike its native steps."""
+    monkeypatch.setattr(plan_module, "bf16_copies_pay", lambda: True)
+    loaded = load_model(ModelConfig(model=str(tiny_checkpoints[arch]), device="cpu", quantization="int4"))
+    copies = [name for name, m in loaded.model.named_modules()
+              if getattr(m, "weight_bf16", None) is not None or getattr(m, "dense_bf16", None) is not None]
+    assert loaded.native is not None
+    if arch == "llama":
+        assert copies and loaded.native.dense_t is not None
+    else:
+        assert not copies and loaded.native.dense_t is None
 
 
 @pytest.mark.usefixtures("sixteen_bit_inputs")
@@ -335,7 +361,7 @@ def test_gemma_prompts_on_the_dense_path_against_the_pytorch_layers(tiny_checkpo
         assert max(abs(lp_a[t].logprob - lp_b[t].logprob) for t in shared) < 0.1
 
 
-@pytest.mark.usefixtures("sixteen_bit_inputs")
+@pytest.mark.usefixtures("sixteen_bit_inputs", "packed_matmuls_only")
 def test_fused_projections_of_two_types_against_the_pytorch_layers(native_steps, tmp_path):
     """A file whose v and up are Q6_K beside Q8_0 q, k and gate (as a Q4_K_M file's are beside Q4_K): each
     fused projection runs as two packed weights in their own types (layers/quant/packed_parts.py), which

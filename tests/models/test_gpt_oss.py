@@ -110,6 +110,7 @@ def test_mxfp4_experts_stay_packed_and_run_natively(tiny_checkpoints, tmp_path, 
 
     import kvflow.executors.plan as plan_module
     from kvflow import LLM, SamplingParams
+    from kvflow.executors.thresholds import RowThresholds
     from kvflow.layers.quant.packed_linear import PackedLinear
 
     (tmp_path / "f32").mkdir()
@@ -126,6 +127,8 @@ def test_mxfp4_experts_stay_packed_and_run_natively(tiny_checkpoints, tmp_path, 
     # The layers on the same packed weights as the native decoder: no bfloat16 copies for many-row steps,
     # which this CPU's start-up measure may or may not find paying (with them, 0.27 nats apart was seen).
     monkeypatch.setattr(plan_module, "bf16_copies_pay", lambda: False)
+    # and 16-bit matmul inputs, as the layers': the AVX2 tier's decode of two sequences would take 8-bit ones
+    monkeypatch.setattr(RowThresholds, "eight_bit_min_rows", lambda self, tier: 0)
     fast = load_model(ModelConfig(model=str(path), device="cpu"))
     assert fast.native is not None and not fast.plan.bf16_copies
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
