@@ -295,6 +295,7 @@ def main() -> None:
             "tier": cpu_features.isa_tier(), "machine_tier": cpu_features.machine_tier(), "cpu": cpu_features.cpu_name(),
             "flags": sorted(cpu_features.cpu_flags() & set(current_figures.TIER_FLAGS)),
             "date": time.strftime("%Y-%m-%d %H:%M"), "peer": LLAMACPP_VENV.name, "threads": args.threads,
+            **current_figures.commit_measured(),
             "figures": {k: {"kvflow": a, "llama.cpp": b} for k, (a, b) in figures.items()},
             "tg128_roofline": tg["fraction_of_roofline"]})
         current_figures.refresh()
