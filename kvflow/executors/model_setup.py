@@ -177,7 +177,9 @@ def prepare_model(loaded: LoadedModel) -> None:
 
 def make_bf16_copies(model: torch.nn.Module, min_rows: int) -> int:
     """Give every float32 Linear and packed layer (the packed output head aside: it only sees sampled rows) a
-    bfloat16 copy for matmuls of at least min_rows rows. Returns the bytes added. A token's result then
+    bfloat16 copy for matmuls of at least min_rows rows, unless it multiplies its packed weights on AMX
+    bfloat16 tiles at that rate without one (the copy would cost 2 bytes a weight: 16 GB for an 8B model).
+    Returns the bytes added. A token's result then
     depends on how many rows its step had, which is why only the fast mode does it."""
     added = 0
     for name, module in model.named_modules():
@@ -190,10 +192,19 @@ def make_bf16_copies(model: torch.nn.Module, min_rows: int) -> int:
             module.bf16_min_rows = min_rows
             added += module.weight_bf16.numel() * 2
         elif isinstance(module, QuantLinear) and not name.startswith(("lm_head", "embed_tokens")):
-            module.cache_dense_bf16()
             module.max_kernel_rows = min_rows - 1
+            module.dense_from_packed = multiplies_packed_on_tiles(module)
+            if module.dense_from_packed:
+                continue  # as fast from the packed weights (AMX bfloat16 tiles): no copy
+            module.cache_dense_bf16()
             added += module.dense_bf16.numel() * 2
     return added
+
+
+def multiplies_packed_on_tiles(module: QuantLinear) -> bool:
+    """Whether the layer's many-row matmuls run from its packed weights on bfloat16 tiles (tried on one row)."""
+    x = torch.zeros(1, module.in_features, dtype=torch.bfloat16)
+    return module.dense_bf16_into(x, torch.empty(1, module.out_features, dtype=torch.bfloat16))
 
 
 def build_executor(loaded: LoadedModel, kv_caches: list, attention_backend: str = "auto", max_num_seqs: int = 64,
