@@ -231,9 +231,10 @@ class LLMEngine:
         vocab = self.loaded.arch.vocab_size
         if any(t < 0 or t >= vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        outside = [t for t in params.logit_bias or {} if t >= vocab]
-        if outside:
-            raise ValueError(f"SamplingParams.logit_bias: token id {outside[0]} is outside the vocabulary [0, {vocab})")
+        for name in ("logit_bias", "logprob_token_ids"):
+            outside = [t for t in getattr(params, name) or () if t >= vocab]
+            if outside:
+                raise ValueError(f"SamplingParams.{name}: token id {outside[0]} is outside the vocabulary [0, {vocab})")
         if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"the prompt has {n} tokens and max_tokens is {params.max_tokens}: together more than "
