@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from kvflow.config import ModelConfig
-from kvflow.distributed import group as tp_group
 from kvflow.distributed.group import TensorParallelGroup
 from kvflow.distributed.sharding import WeightSharder, install_reductions, shard_arch
 from kvflow.executors import compile as compiling
@@ -102,8 +101,11 @@ class ModelSummary:
         return self.plan.dtype
 
 
-def load_model(config: ModelConfig, with_tokenizer: bool = True) -> LoadedModel:
-    """with_tokenizer=False: the weights alone (a tensor-parallel rank other than 0 never sees text)."""
+def load_model(config: ModelConfig, with_tokenizer: bool = True,
+               tensor_parallel: TensorParallelGroup | None = None) -> LoadedModel:
+    """with_tokenizer=False: the weights alone (a tensor-parallel rank other than 0 never sees text).
+    tensor_parallel: the group whose rank's share this process loads (None: the whole model), passed by who
+    made the group, never read from the process: an engine of another size in the same process is no concern."""
     resolved = resolve_model(config.model)
     files = open_model_files(resolved)
     arch = read_arch(files)
@@ -112,16 +114,16 @@ def load_model(config: ModelConfig, with_tokenizer: bool = True) -> LoadedModel:
         # The tokenizer builds (mostly Python: transformers' import, a 128K vocabulary) while the weights
         # load (mostly C++, which lets go of the GIL): a second or more off an 8B model's load.
         tokenizer = pool.submit(files.tokenizer) if with_tokenizer else None
-        loaded = _load(config, files, resolved, arch)
+        loaded = _load(config, files, resolved, arch, tensor_parallel)
         prepare_model(loaded)
         loaded.tokenizer = None if tokenizer is None else tokenizer.result()
     return loaded
 
 
-def _load(config: ModelConfig, files, resolved: ResolvedModel, arch: ArchConfig) -> LoadedModel:
+def _load(config: ModelConfig, files, resolved: ResolvedModel, arch: ArchConfig,
+          tp: TensorParallelGroup | None) -> LoadedModel:
     plan = plan_execution(config, resolved.kind, arch.torch_dtype)
     max_len = config.max_model_len or arch.max_position_embeddings
-    tp = tp_group.current()
     sharder = None
     if tp is not None:  # this rank's heads and MLP columns only (kvflow/distributed/sharding.py)
         sharder = WeightSharder(arch, tp.rank, tp.world_size)

@@ -98,7 +98,8 @@ def prepare_chat(tokenizer, body: ChatCompletionRequest) -> ChatPrompt:
     elif tools:
         messages, fmt = with_tools_prompt(messages, tools), HERMES  # kvflow describes the hermes format
     prompt = render_chat(tokenizer, messages, tools=template_tools, template_kwargs=body.template_kwargs(),
-                         continue_final=body.continue_final_message)
+                         continue_final=body.continue_final_message,
+                         add_generation_prompt=body.add_generation_prompt)
     if harmony:
         return _harmony_chat(tokenizer, body, prompt, tools)
     thinking = reasoning_mode(template, prompt) if THINK_OPEN in template else None

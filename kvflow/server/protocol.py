@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from kvflow.sampling_params import SamplingParams
 from kvflow.server.chat_tools import Tool, named_choice
 from kvflow.server.errors import bad_request, from_value_error
+from kvflow.server.vllm_fields import VllmChatFields, VllmFields, check_generation_prompt
 from kvflow.structured.spec import StructuredOutput
 
 log = logging.getLogger("kvflow")
@@ -66,8 +67,8 @@ class StructuredOutputs(Strict):
     grammar: str | None = None
 
 
-class SamplingFields(Strict):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+class SamplingFields(Strict, VllmFields):
+    """Fields shared by /v1/completions and /v1/chat/completions (vLLM's extensions: vllm_fields.py)."""
 
     model: str | None = None
     n: int = 1
@@ -146,6 +147,7 @@ class SamplingFields(Strict):
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output or self.no_stop_trim,
             skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias(),
+            logprob_token_ids=self.logprob_token_ids,
         )
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty", "min_tokens"):
@@ -202,6 +204,7 @@ class CompletionRequest(SamplingFields):
 
     def validate_request(self) -> SamplingParams:
         self.check_common()
+        self.check_vllm_fields(self.logprobs is not None)
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix", "unsupported_parameter")
         return self.sampling_params(self.max_tokens, self.logprobs, self.prompt_logprobs_wanted)
@@ -260,7 +263,7 @@ class ChatMessage(Lenient):
         return message
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, VllmChatFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -293,8 +296,10 @@ class ChatCompletionRequest(SamplingFields):
 
     def validate_request(self) -> SamplingParams:
         self.check_common()
+        self.check_vllm_fields(self.logprobs)
         if not self.messages:
             raise bad_request("messages must not be empty", "messages")
+        check_generation_prompt(self, self.continue_final_message)
         self._check_tools()
         if self.store:
             raise bad_request("store is not supported", "store", "unsupported_parameter")
@@ -326,6 +331,16 @@ class ChatCompletionRequest(SamplingFields):
         if chosen is not None and chosen not in names:
             raise bad_request(f"tool_choice names the function {chosen!r}, which is not among the tools",
                               "tool_choice")
+
+    @property
+    def answer_role(self) -> str:
+        """The answer's role: the assistant's, or, with add_generation_prompt false, the last message's (vLLM)."""
+        return "assistant" if self.add_generation_prompt or not self.messages else self.messages[-1].role
+
+    def echoed(self) -> str:
+        """With echo: the text the answer starts with, the last message's when it has the answer's role."""
+        last = self.messages[-1] if self.messages else None
+        return last.text() if self.echo and last is not None and last.role == self.answer_role else ""
 
     @property
     def calls_tools(self) -> bool:

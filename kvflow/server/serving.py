@@ -176,10 +176,11 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
 
 
 def render_chat(tokenizer, messages: list[dict], param: str = "messages", tools: list[dict] | None = None,
-                template_kwargs: dict | None = None, continue_final: bool = False) -> str:
+                template_kwargs: dict | None = None, continue_final: bool = False,
+                add_generation_prompt: bool = True) -> str:
     """The prompt text for messages (and tools, as transformers passes them to the template; template_kwargs
-    such as enable_thinking go to the template too), ending with the assistant's turn; a 400 when the
-    template refuses them."""
+    such as enable_thinking go to the template too), ending with the assistant's turn (unless
+    add_generation_prompt is false); a 400 when the template refuses them."""
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template, so it cannot chat; use the completions API",
                           param, "no_chat_template")
@@ -187,8 +188,8 @@ def render_chat(tokenizer, messages: list[dict], param: str = "messages", tools:
         if continue_final:  # the prompt ends inside the last assistant message, which the answer goes on with
             return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=False,
                                                  continue_final_message=True, **(template_kwargs or {}))
-        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
-                                             **(template_kwargs or {}))
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
     except Exception as exc:  # jinja2 raises TemplateError (or anything a template's raise_exception throws)
         raise bad_request(f"the chat template could not render these messages: {exc}", param) from None
 
