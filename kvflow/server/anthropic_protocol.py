@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
-
 from kvflow.server.errors import bad_request
 from kvflow.server.protocol import ChatCompletionRequest, Lenient
 
@@ -42,8 +40,7 @@ class AnthropicToolChoice(Lenient):
     disable_parallel_tool_use: bool | None = None
 
 
-class MessagesRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class MessagesRequest(Lenient):
 
     model: str | None = None
     max_tokens: int

@@ -18,7 +18,7 @@ from kvflow.structured.spec import StructuredOutput
 
 
 class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")  # unknown fields are ignored (unknown_fields.py)
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
@@ -26,12 +26,14 @@ class FunctionDefinition(BaseModel):
 
 
 class Tool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
     type: Literal["function"]
     function: FunctionDefinition
 
     def template_dict(self) -> dict:
-        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+        """The tool as chat templates take it: its known fields only."""
+        known = set(FunctionDefinition.model_fields)
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True, include=known)}
 
 
 def named_choice(tool_choice: str | dict | None) -> str | None:

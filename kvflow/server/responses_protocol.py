@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from kvflow.server.errors import bad_request
 from kvflow.server.protocol import ChatCompletionRequest, Lenient
@@ -51,8 +51,7 @@ class TextOptions(Lenient):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ResponsesRequest(Lenient):
 
     model: str | None = None
     input: str | list[InputItem]
