@@ -19,6 +19,7 @@ from pydantic import ConfigDict, Field
 
 from kvflow.server.errors import bad_request
 from kvflow.server.protocol import ChatCompletionRequest, Lenient
+from kvflow.server.serving import validate_as
 
 log = logging.getLogger("kvflow")
 _TEXT_ONLY = ("image", "document")  # blocks a text-only model cannot read: refused by name
@@ -115,7 +116,7 @@ class MessagesRequest(Lenient):
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}}
         if config.effort in ("low", "medium", "high"):  # gpt-oss's template takes it
             body["reasoning_effort"] = config.effort
-        return ChatCompletionRequest.model_validate(body)
+        return validate_as(ChatCompletionRequest, body)
 
     def _messages(self) -> list[dict]:
         system = [_text(self.system, "system")] if self.system else []

@@ -169,6 +169,7 @@ class ChatRequest(_OllamaRequest):
     def as_openai(self):
         """The same chat as an OpenAI request, so one path renders tools and builds the answer's grammar."""
         from kvflow.server.protocol import ChatCompletionRequest
+        from kvflow.server.serving import validate_as
 
         body: dict[str, Any] = {"messages": [m.as_openai() for m in self.messages]}
         if self.think is False:  # Ollama's switch for thinking models; templates read enable_thinking
@@ -180,7 +181,7 @@ class ChatRequest(_OllamaRequest):
         schema = self.format_schema()
         if schema is not None:
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": "format", "schema": schema}}
-        return ChatCompletionRequest.model_validate(body)
+        return validate_as(ChatCompletionRequest, body)
 
 
 class ShowRequest(Strict):

@@ -217,6 +217,15 @@ def check_constraint(state: ServerState, params: SamplingParams, field: str | No
         raise bad_request(str(exc), field, "invalid_schema") from None
 
 
+def validate_as(model: type[M], data: dict) -> M:
+    """data as `model`, a 400 naming the field where it does not fit: for the chat request an adapter
+    (Responses, Messages, Ollama) builds from what its client sent."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
 def validation_error(exc: ValidationError) -> APIError:
     first = exc.errors()[0]
     loc = [str(part) for part in first["loc"]]
