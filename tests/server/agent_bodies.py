@@ -27,9 +27,10 @@ eof_line: "*** End of File" LF
 %import common.LF
 '''
 
-_SHELL_PARAMS = {"type": "object", "properties": {"command": {"type": "string"}, "workdir": {"type": "string"},
-                                                  "timeout_ms": {"type": "number"}},
-                 "required": ["command"], "additionalProperties": False}
+def _shell_params() -> dict:
+    return {"type": "object", "properties": {"command": {"type": "string"}, "workdir": {"type": "string"},
+                                             "timeout_ms": {"type": "number"}},
+            "required": ["command"], "additionalProperties": False}
 
 
 def codex(model: str) -> dict:
@@ -59,7 +60,7 @@ def codex(model: str) -> dict:
         ],
         "tools": [
             {"type": "function", "name": "shell_command", "description": "Runs a shell command.", "strict": False,
-             "parameters": _SHELL_PARAMS},
+             "parameters": _shell_params()},
             {"type": "custom", "name": "apply_patch", "description": "Edit files with a patch.",
              "format": {"type": "grammar", "syntax": "lark", "definition": APPLY_PATCH_LARK}},
             {"type": "namespace", "name": "mcp__docs__", "description": "Tools of the docs MCP server.", "tools": [
@@ -71,7 +72,7 @@ def codex(model: str) -> dict:
         "tool_choice": "auto", "parallel_tool_calls": False, "reasoning": {"effort": "medium", "summary": "auto"},
         "store": False, "stream": True, "include": ["reasoning.encrypted_content"],
         "prompt_cache_key": "0199a1b2-c3d4-7e5f-8a9b-0c1d2e3f4a5b", "text": {"verbosity": "medium"},
-        "client_metadata": {"thread_id": "0199a1b2"}, "max_output_tokens": 8,
+        "client_metadata": {"thread_id": "0199a1b2"}, "max_output_tokens": 2,
     }
 
 
@@ -79,7 +80,7 @@ def claude_code(model: str) -> dict:
     """A Claude Code turn after a tool round trip: its system blocks with cache_control, a system-role
     message inside messages, a tool_use and its tool_result (list content), and the fields it always sends."""
     return {
-        "model": model, "max_tokens": 8, "stream": True, "temperature": 1,
+        "model": model, "max_tokens": 2, "stream": True, "temperature": 1,
         "system": [{"type": "text", "text": "You are Claude Code, Anthropic's official CLI for Claude.",
                     "cache_control": {"type": "ephemeral"}},
                    {"type": "text", "text": "You are an interactive CLI tool. Be concise.",
@@ -115,16 +116,17 @@ def claude_code(model: str) -> dict:
     }
 
 
-_READ_FILE = {"type": "function", "function": {
-    "name": "read_file", "description": "Reads a file.",
-    "parameters": {"type": "object", "properties": {"absolute_path": {"type": "string"}},
-                   "required": ["absolute_path"], "$schema": "http://json-schema.org/draft-07/schema#"}}}
+def _read_file() -> dict:
+    return {"type": "function", "function": {
+        "name": "read_file", "description": "Reads a file.",
+        "parameters": {"type": "object", "properties": {"absolute_path": {"type": "string"}},
+                       "required": ["absolute_path"], "$schema": "http://json-schema.org/draft-07/schema#"}}}
 
 
 def qwen_code(model: str) -> dict:
     """Qwen Code's streamed chat completion, after a tool round trip."""
     return {
-        "model": model, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 8,
+        "model": model, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 2,
         "temperature": 0.7, "top_p": 0.8, "metadata": {"sessionId": "s-1", "promptId": "p-1"},
         "messages": [
             {"role": "system", "content": "You are Qwen Code, an interactive CLI agent."},
@@ -135,18 +137,18 @@ def qwen_code(model: str) -> dict:
                  "function": {"name": "read_file", "arguments": "{\"absolute_path\": \"/repo/a.txt\"}"}}]},
             {"role": "tool", "tool_call_id": "call_1", "content": "hello"},
         ],
-        "tools": [_READ_FILE],
+        "tools": [_read_file()],
     }
 
 
 def openclaw(model: str) -> dict:
     """OpenClaw's streamed chat completion."""
     return {
-        "model": model, "stream": True, "stream_options": {"include_usage": True}, "max_completion_tokens": 8,
+        "model": model, "stream": True, "stream_options": {"include_usage": True}, "max_completion_tokens": 2,
         "store": False, "tool_choice": "auto", "parallel_tool_calls": True,
         "messages": [{"role": "system", "content": "You are a personal assistant running inside OpenClaw."},
                      {"role": "user", "content": "What is in /repo/a.txt?"}],
-        "tools": [_READ_FILE],
+        "tools": [_read_file()],
     }
 
 
@@ -154,13 +156,13 @@ def ollama_chat(model: str) -> dict:
     """A chat on Ollama's API, as agents that speak it send one."""
     return {
         "model": model, "stream": True, "keep_alive": "5m", "think": False,
-        "options": {"num_predict": 8, "num_ctx": 32768, "temperature": 0.7},
+        "options": {"num_predict": 2, "num_ctx": 32768, "temperature": 0.7},
         "messages": [{"role": "system", "content": "You are a coding agent."},
                      {"role": "user", "content": "List the files."},
                      {"role": "assistant", "content": "", "tool_calls": [
                          {"function": {"name": "read_file", "arguments": {"absolute_path": "/repo"}}}]},
                      {"role": "tool", "content": "a.txt", "tool_name": "read_file"}],
-        "tools": [_READ_FILE],
+        "tools": [_read_file()],
     }
 
 
