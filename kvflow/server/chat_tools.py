@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
+from kvflow.server.custom_tools import CustomDefinition
 from kvflow.server.errors import bad_request
 from kvflow.server.harmony import is_harmony
 from kvflow.server.reasoning import think_rule
@@ -18,7 +19,7 @@ from kvflow.structured.spec import StructuredOutput
 
 
 class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")  # unknown fields are ignored (unknown_fields.py)
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
@@ -26,20 +27,38 @@ class FunctionDefinition(BaseModel):
 
 
 class Tool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["function"]
-    function: FunctionDefinition
+    """A function tool, or a custom (freeform) one (custom_tools.py), which `function` then describes as the
+    function of one string that the model is offered."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function", "custom"]
+    function: FunctionDefinition = None  # type: ignore[assignment]  # always set once validated
+    custom: CustomDefinition | None = None
+
+    @model_validator(mode="after")
+    def _one_definition(self):
+        if self.type == "custom":
+            if self.custom is None:
+                raise ValueError('a tool of type "custom" needs its "custom" definition')
+            self.function = FunctionDefinition(**self.custom.function_view())
+        elif self.function is None:
+            raise ValueError('a tool of type "function" needs its "function" definition')
+        return self
 
     def template_dict(self) -> dict:
-        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+        """The tool as chat templates take it: its known fields only."""
+        known = set(FunctionDefinition.model_fields)
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True, include=known)}
 
 
 def named_choice(tool_choice: str | dict | None) -> str | None:
-    """The function a tool_choice names ({"type": "function", "function": {"name": ...}}), else None."""
+    """The tool a tool_choice names ({"type": "function", "function": {"name": ...}}, or "custom" and
+    "custom" for a custom tool), else None."""
     if isinstance(tool_choice, dict):
-        function = tool_choice.get("function")
-        if tool_choice.get("type") == "function" and isinstance(function, dict) and isinstance(function.get("name"), str):
-            return function["name"]
+        kind = tool_choice.get("type")
+        named = tool_choice.get(kind) if kind in ("function", "custom") else None
+        if isinstance(named, dict) and isinstance(named.get("name"), str):
+            return named["name"]
         raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
                           '{"name": ...}}', "tool_choice")
     return None
@@ -183,10 +202,7 @@ def tool_call_grammar(tools: list[Tool], fmt: str, parallel: bool, special_ids: 
         rules = ['calls: call ("; " call)*' if parallel else "calls: call", f"call: {lark_json(call)}"]
     else:
         assert fmt == HERMES
-        open_tag, close_tag = json.dumps("<tool_call>\n"), json.dumps("\n</tool_call>")
-        body = with_defs(_any_call(tools, "arguments", defs), defs)
-        rules = ['calls: call ("\\n" call)*' if parallel else "calls: call",
-                 f"call: {open_tag} body {close_tag}", f"body: {lark_json(body)}"]
+        rules = ['calls: call ("\\n" call)*' if parallel else "calls: call", *_hermes_call_rules(tools, defs)]
     answer = "calls"
     if answer_schema is not None:
         answer = "(calls | answer)"
@@ -194,6 +210,23 @@ def tool_call_grammar(tools: list[Tool], fmt: str, parallel: bool, special_ids: 
     if reasoning is not None:
         rules.append(think_rule(reasoning))
     start = f"start: {'think ' if reasoning is not None else ''}{answer}"
-    # Wrapping up near the budget follows JSON strings through the whole text: not with thinking before it.
-    return StructuredOutput(grammar="\n".join([start, *rules]), closes_like_json=reasoning is None)
+    # Wrapping up near the budget follows JSON strings through the whole text: not with thinking before it,
+    # nor with a custom tool's raw input.
+    raw = fmt == HERMES and any(t.custom is not None for t in tools)
+    return StructuredOutput(grammar="\n".join([start, *rules]), closes_like_json=reasoning is None and not raw)
+
+
+def _hermes_call_rules(tools: list[Tool], defs: dict[str, Any]) -> list[str]:
+    """A hermes call: a function's JSON, or a custom tool's raw input (custom_tools.py)."""
+    open_tag, close_tag = "<tool_call>\n", "\n</tool_call>"
+    functions = [t for t in tools if t.custom is None]
+    choices, rules = [], []
+    if functions:
+        choices.append("function_call")
+        rules += [f"function_call: {json.dumps(open_tag)} body {json.dumps(close_tag)}",
+                  f"body: {lark_json(with_defs(_any_call(functions, 'arguments', defs), defs))}"]
+    for i, tool in enumerate(t for t in tools if t.custom is not None):
+        choices.append(f"custom{i}")
+        rules += tool.custom.raw_call_rule(f"custom{i}", open_tag, close_tag)
+    return [f"call: {' | '.join(choices)}", *rules]
 

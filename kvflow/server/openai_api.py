@@ -148,7 +148,8 @@ async def create_chat_completion(request: Request):
                 message["reasoning_content"] = answer.reasoning
             if answer.calls:
                 message.update(content=answer.content if answer.content.strip() else None,
-                               tool_calls=[call.openai() for call in answer.calls])
+                               tool_calls=[call.openai(custom=call.name in chat.custom_names)
+                                           for call in answer.calls])
                 finish = "tool_calls" if finish == "stop" else finish
         if body.echoed():
             message["content"] = body.echoed() + (message["content"] or "")
@@ -306,7 +307,8 @@ async def _chat_events(
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason, **token_ids}
             yield sse({**head, "choices": [choice], **tail})
             continue
-        answer = parsers.setdefault(index, _StreamedAnswer(chat.answer_parser(), body.include_reasoning))
+        answer = parsers.setdefault(index, _StreamedAnswer(chat.answer_parser(), body.include_reasoning,
+                                                           chat.custom_names))
         deltas = answer.deltas(c.delta_text, c.finish_reason)
         for delta, finish in deltas or ([({}, None)] if token_ids else []):  # ids of text held back go out too
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish, **token_ids}
@@ -327,9 +329,11 @@ class _StreamedAnswer:
     parsers let text through, and each tool call as OpenAI streams it (a chunk with its index, id and
     name, then one with its arguments)."""
 
-    def __init__(self, parser: AnswerParser, include_reasoning: bool = True) -> None:
+    def __init__(self, parser: AnswerParser, include_reasoning: bool = True,
+                 custom_names: frozenset[str] = frozenset()) -> None:
         self.parser = parser
         self.include_reasoning = include_reasoning  # vLLM's include_reasoning false: thinking is not sent
+        self.custom_names = custom_names
         self.sent_calls = 0
 
     def deltas(self, text: str, finish_reason: str | None) -> list[tuple[dict, str | None]]:
@@ -348,6 +352,9 @@ class _StreamedAnswer:
             out.append(({"content": piece.content}, None))
         for call in piece.calls:
             index, self.sent_calls = self.sent_calls, self.sent_calls + 1
+            if call.name in self.custom_names:  # a custom tool's call comes whole
+                out.append(({"tool_calls": [call.openai(index, custom=True)]}, None))
+                continue
             head = {"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
             out.append(({"tool_calls": [head]}, None))
             out.append(({"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]}, None))

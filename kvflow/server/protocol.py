@@ -1,12 +1,13 @@
-"""OpenAI request bodies (pydantic). Unknown fields are rejected; OpenAI fields that kvflow does not act on
-are accepted only when they would change nothing (user, metadata...), and refused otherwise."""
+"""OpenAI request bodies (pydantic). Unknown fields are ignored (logged once and counted: unknown_fields.py);
+known OpenAI fields that kvflow does not act on are accepted only when they would change nothing (user,
+metadata...), and refused otherwise."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from kvflow.sampling_params import SamplingParams
 from kvflow.server.chat_tools import Tool, named_choice
@@ -15,11 +16,12 @@ from kvflow.server.vllm_fields import VllmChatFields, VllmFields, check_generati
 from kvflow.structured.spec import StructuredOutput
 
 log = logging.getLogger("kvflow")
-_ignored_fields_logged: set[str] = set()
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Known fields are checked; unknown ones are kept aside and ignored (serving.parse_body counts them)."""
+
+    model_config = ConfigDict(extra="allow")
 
 
 class StreamOptions(Strict):
@@ -27,20 +29,9 @@ class StreamOptions(Strict):
     continuous_usage_stats: bool = False  # vLLM's: usage in every chunk
 
 
-class Lenient(BaseModel):
-    """Parts of a message: fields kvflow does not know (clients send `refusal`, `annotations`, `audio` and
-    vendor fields back with the history) are ignored, and logged once per field name."""
-
-    model_config = ConfigDict(extra="allow")
-
-    @model_validator(mode="after")
-    def _log_ignored(self):
-        for name in (self.model_extra or {}):
-            key = f"{type(self).__name__}.{name}"
-            if key not in _ignored_fields_logged:
-                _ignored_fields_logged.add(key)
-                log.info("ignoring the field %r in %s (not used by kvflow)", name, type(self).__name__)
-        return self
+class Lenient(Strict):
+    """Parts of a message: clients send `refusal`, `annotations`, `audio` and vendor fields back with the
+    history; like every unknown field, they are ignored."""
 
 
 class ResponseFormat(Strict):

@@ -21,7 +21,7 @@ router = APIRouter()
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")  # unknown fields are ignored (unknown_fields.py)
     model: str | None = None
     prompt: str | None = None  # vLLM
     content: str | None = None  # llama.cpp
@@ -37,7 +37,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")  # unknown fields are ignored (unknown_fields.py)
     model: str | None = None
     tokens: list[int]
 
