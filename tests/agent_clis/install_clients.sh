@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs the coding-agent CLIs the agent tests run (tests/agents/), pinned, into .agents-npm/ at the
+# Installs the coding-agent CLIs the agent tests run (tests/agent_clis/), pinned, into .agents-npm/ at the
 # repository root (gitignored): Node.js 24 from npm (OpenClaw needs >= 24.16; under an older Node, npm
 # quietly resolves `openclaw` to an empty 0.0.1), then the four clients with that Node's npm.
 # Idempotent: a stamp file names what is installed; a second run with the same pins does nothing.
