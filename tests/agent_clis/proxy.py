@@ -1,17 +1,17 @@
 """A recording reverse proxy in front of `kvflow serve`, for the agent CLIs' tests.
 
-Every request a client sends passes through unchanged (streams included) and is recorded: method, path,
-JSON body, status and response text. Each gets an X-Request-Id of the proxy's own (`agent-1`, `agent-2`,
-...), which the server uses as the request's id in its log, so a test can read from the server's log what
-the prefix cache served to that one request. A test may set `steer`: a function that may rewrite a request's
-JSON body before it is forwarded (to make the model call a client's tool); the server itself is never told.
+Every request a client sends passes through (streams included) and is recorded: method, path, JSON body,
+status and response text, from which `usage()` reads what the prefix cache served it. Two test-side changes
+may be made to a request's JSON body before it is forwarded, never in the server: `output_cap` bounds the
+answer's length (the default model rarely stops by itself on an agent's prompt, and Codex sends no bound
+at all), and `steer`, a function, may rewrite the body (to make the model call one of the client's tools).
+Each request also gets an X-Request-Id of the proxy's own (`agent-1`, ...), for reading the server's log.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -26,7 +26,6 @@ from starlette.responses import Response, StreamingResponse
 # Headers that belong to one hop, not to the message: the proxy's own connections set them.
 _HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "accept-encoding",
         "content-encoding", "x-request-id"}
-_FINISHED = re.compile(r"request (\S+) finished \((.*?)\): (\d+) prompt tokens \((\d+) cached\), (\d+) generated")
 RESPONSE_CAP = 1 << 20
 
 
@@ -40,6 +39,8 @@ class Exchange:
     status: int | None = None
     response: str = ""  # the response's text, cut at RESPONSE_CAP characters
     done: bool = False
+    started: float = field(default_factory=time.monotonic)
+    seconds: float = 0.0  # until the response's last byte
 
     @property
     def is_generation(self) -> bool:
@@ -47,28 +48,70 @@ class Exchange:
         return self.method == "POST" and self.path.split("?")[0].rstrip("/").endswith(
             ("/chat/completions", "/responses", "/messages", "/completions", "/api/chat", "/api/generate"))
 
-    def prompt_text(self) -> str:
-        return json.dumps(self.body) if self.body is not None else ""
-
-
-@dataclass
-class Served:
-    """What the server's log says of one finished request."""
-
-    finish: str
-    prompt_tokens: int
-    cached_tokens: int
-    generated_tokens: int
-
     @property
-    def cached_share(self) -> float:
-        return self.cached_tokens / max(self.prompt_tokens, 1)
+    def api(self) -> str:
+        """Which wire API: "chat", "responses" or "messages"."""
+        path = self.path.split("?")[0]
+        return "messages" if path.endswith("/messages") else "responses" if path.endswith("/responses") else "chat"
+
+    def events(self) -> list[dict]:
+        """The response's JSON objects: each SSE event's data, or the whole body."""
+        found = []
+        for line in self.response.splitlines() or [""]:
+            text = line.removeprefix("data:").strip() if line.startswith("data:") else line.strip()
+            if text.startswith("{"):
+                try:
+                    found.append(json.loads(text))
+                except ValueError:
+                    pass
+        return found
+
+    def answer(self) -> str:
+        """The answer's text and tool-call arguments, joined (for reports)."""
+        parts: list[str] = []
+
+        def walk(node) -> None:
+            if isinstance(node, dict):
+                for key, value in node.items():
+                    if key in ("content", "text", "arguments", "partial_json", "delta") and isinstance(value, str):
+                        parts.append(value)
+                    elif key == "name" and isinstance(value, str):
+                        parts.append(f"[{value}]")
+                    else:
+                        walk(value)
+            elif isinstance(node, list):
+                for item in node:
+                    walk(item)
+
+        for event in self.events():
+            if event.get("type") not in ("response.completed", "response.output_item.done", "message_start"):
+                walk(event)
+        return "".join(parts)
+
+    def usage(self) -> tuple[int, int] | None:
+        """(prompt tokens, of those served from the prefix cache) from the response's usage, in whichever
+        API's shape; None when the response carried none."""
+        merged: dict = {}
+        for event in self.events():
+            for holder in (event, event.get("response") or {}, event.get("message") or {}):
+                if isinstance(holder, dict) and isinstance(holder.get("usage"), dict):
+                    merged.update(holder["usage"])
+        if "prompt_tokens" in merged:  # chat completions
+            return merged["prompt_tokens"], (merged.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        if "cache_read_input_tokens" in merged:  # Anthropic: input_tokens excludes the cached ones
+            cached = merged["cache_read_input_tokens"] or 0
+            return merged.get("input_tokens", 0) + cached, cached
+        if "input_tokens" in merged:  # Responses
+            return merged["input_tokens"], (merged.get("input_tokens_details") or {}).get("cached_tokens", 0)
+        return None
 
 
 @dataclass
 class AgentProxy:
     upstream: str
     steer: Callable[[Exchange], dict | None] | None = None
+    output_cap: int | None = None  # at most this many tokens per answer (steered answers: steered_cap)
+    steered_cap: int = 160
     exchanges: list[Exchange] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -109,11 +152,13 @@ class AgentProxy:
             exchange.body = json.loads(raw) if raw else None
         except ValueError:
             exchange.body = None
-        if isinstance(exchange.body, dict) and self.steer is not None:
-            steered = self.steer(exchange)
+        if isinstance(exchange.body, dict) and exchange.is_generation:
+            steered = self.steer(exchange) if self.steer is not None else None
             if steered is not None:
                 exchange.body, exchange.steered = steered, True
-                raw = json.dumps(steered).encode()
+            if self.output_cap is not None:
+                cap_output(exchange, self.steered_cap if exchange.steered else self.output_cap)
+            raw = json.dumps(exchange.body).encode()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         headers["x-request-id"] = exchange.request_id
         client = httpx.AsyncClient(base_url=self.upstream, timeout=httpx.Timeout(600.0, connect=10.0))
@@ -135,6 +180,7 @@ class AgentProxy:
                         exchange.response += chunk.decode("utf-8", "replace")
                     yield chunk
             finally:
+                exchange.seconds = time.monotonic() - exchange.started
                 exchange.done = True
                 await upstream.aclose()
                 await client.aclose()
@@ -156,7 +202,12 @@ def _path(scope) -> str:
     return scope["path"] + (f"?{query}" if query else "")
 
 
-def served(server_log: str) -> dict[str, Served]:
-    """Each finished request in the server's log (`--log-level info`), by its id."""
-    return {m.group(1): Served(m.group(2), int(m.group(3)), int(m.group(4)), int(m.group(5)))
-            for m in _FINISHED.finditer(server_log)}
+def cap_output(exchange: Exchange, cap: int) -> None:
+    """At most `cap` tokens of answer, in the field the request's API uses."""
+    body = exchange.body
+    assert body is not None
+    fields = {"messages": ["max_tokens"], "responses": ["max_output_tokens"]}.get(
+        exchange.api, [f for f in ("max_completion_tokens", "max_tokens") if body.get(f) is not None] or ["max_tokens"])
+    for name in fields:
+        given = body.get(name)
+        body[name] = cap if given is None else min(int(given), cap)
