@@ -24,6 +24,9 @@ NOTES = "notes.txt"
 MARKER = "kvflow-marker-7311"  # what notes.txt holds: the tool result a follow-up request must carry
 SHORT_PROMPT = "You are a coding agent. Use your tools when asked; answer in one short sentence."
 TURN_TIMEOUT_S = 300
+# Each answer's bound, set in the client where it takes one: a client that finds its answer cut shorter than
+# it asked for goes on asking (Qwen Code does); the test proxy cuts the others' (Codex sends none).
+OUTPUT_TOKENS = 16
 
 
 @dataclass
@@ -55,7 +58,8 @@ def make_session(client: str, base_url: str, root: Path, bin_dir: Path) -> Agent
     subprocess.run(["git", "init", "-q"], cwd=work, check=True)  # Codex resumes sessions inside a repository
     env = {**os.environ, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"),
            "XDG_CACHE_HOME": str(home / ".cache"), "XDG_DATA_HOME": str(home / ".local" / "share"),
-           "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "NO_COLOR": "1"}
+           "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "NO_COLOR": "1",
+           "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(OUTPUT_TOKENS)}
     for name in ("OPENAI_API_KEY", "OPENAI_BASE_URL", "ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL", "CODEX_HOME"):
         env.pop(name, None)
     served = Served(base_url, MODEL, CONTEXT)
@@ -85,18 +89,24 @@ def _trim_codex(home: Path, work: Path, served: Served) -> list[str]:
 
 
 def _trim_claude(home: Path, work: Path, served: Served) -> list[str]:
+    # (CLAUDE_CODE_MAX_OUTPUT_TOKENS, in make_session's environment, bounds its answers)
     return ["--tools", "Read", "--system-prompt", SHORT_PROMPT, "--max-turns", "4"]
 
 
 def _trim_qwen(home: Path, work: Path, served: Served) -> list[str]:
     _merge_json(home / ".qwen" / "settings.json", {
         "tools": {"core": ["read_file"], "exclude": ["agent", "task_stop", "send_message", "skill", "tool_search"]},
-        "memory": {"enableManagedAutoMemory": False}})
+        "memory": {"enableManagedAutoMemory": False},
+        "model": {"generationConfig": {"samplingParams": {"max_tokens": OUTPUT_TOKENS}}}})
     return ["--system-prompt", SHORT_PROMPT, "--max-session-turns", "4"]
 
 
 def _trim_openclaw(home: Path, work: Path, served: Served) -> list[str]:
-    _merge_json(home / ".openclaw-kvflow" / "openclaw.json", {
+    config = home / ".openclaw-kvflow" / "openclaw.json"
+    settings = json.loads(config.read_text())
+    settings["models"]["providers"]["kvflow"]["models"][0]["maxTokens"] = OUTPUT_TOKENS
+    config.write_text(json.dumps(settings))
+    _merge_json(config, {
         "agents": {"defaults": {"workspace": str(work), "skipBootstrap": True, "contextInjection": "never",
                                 "skills": []}},
         "tools": {"profile": "minimal", "alsoAllow": ["read"]}})

@@ -156,8 +156,10 @@ class AgentProxy:
             steered = self.steer(exchange) if self.steer is not None else None
             if steered is not None:
                 exchange.body, exchange.steered = steered, True
-            if self.output_cap is not None:
-                cap_output(exchange, self.steered_cap if exchange.steered else self.output_cap)
+            if exchange.steered:  # room for the whole call, whatever bound the client set
+                cap_output(exchange, self.steered_cap, raise_to=True)
+            elif self.output_cap is not None:
+                cap_output(exchange, self.output_cap)
             raw = json.dumps(exchange.body).encode()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         headers["x-request-id"] = exchange.request_id
@@ -202,12 +204,12 @@ def _path(scope) -> str:
     return scope["path"] + (f"?{query}" if query else "")
 
 
-def cap_output(exchange: Exchange, cap: int) -> None:
-    """At most `cap` tokens of answer, in the field the request's API uses."""
+def cap_output(exchange: Exchange, cap: int, raise_to: bool = False) -> None:
+    """At most `cap` tokens of answer (raise_to: exactly `cap`), in the field the request's API uses."""
     body = exchange.body
     assert body is not None
     fields = {"messages": ["max_tokens"], "responses": ["max_output_tokens"]}.get(
         exchange.api, [f for f in ("max_completion_tokens", "max_tokens") if body.get(f) is not None] or ["max_tokens"])
     for name in fields:
         given = body.get(name)
-        body[name] = cap if given is None else min(int(given), cap)
+        body[name] = cap if given is None or raise_to else min(int(given), cap)

@@ -9,11 +9,10 @@ import json
 
 import pytest
 
-from agent_clis.clients import MARKER, NOTES, make_session
+from agent_clis.clients import MARKER, NOTES, OUTPUT_TOKENS, make_session
 from agent_clis.proxy import AgentProxy
 from agent_clis.steer import steer_to, tool_results
 
-OUTPUT_CAP = 16
 # Codex's and Claude Code's requests are refused today (Codex: its `namespace` and `web_search` tools and
 # `client_metadata`; Claude Code: a system-role message in `messages`, `context_management`, `output_config`,
 # and HEAD /); the agents-wire branch makes the server accept them. Until it is merged:
@@ -33,7 +32,7 @@ def _report(session, proxy) -> str:
 
 @pytest.mark.parametrize("client", CLIENTS)
 def test_two_turns_with_a_tool_round_trip(client, agent_bin, agent_cli_server, tmp_path):
-    proxy = AgentProxy(agent_cli_server.base_url, output_cap=OUTPUT_CAP)
+    proxy = AgentProxy(agent_cli_server.base_url, output_cap=OUTPUT_TOKENS)
     try:
         session = make_session(client, proxy.base_url, tmp_path, agent_bin)
         proxy.steer = steer_to(*session.tool)
