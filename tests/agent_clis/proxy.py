@@ -73,6 +73,8 @@ class Exchange:
         def walk(node) -> None:
             if isinstance(node, dict):
                 for key, value in node.items():
+                    if key in ("tools", "response", "instructions", "input"):  # echoes of the request
+                        continue
                     if key in ("content", "text", "arguments", "partial_json", "delta") and isinstance(value, str):
                         parts.append(value)
                     elif key == "name" and isinstance(value, str):
@@ -111,6 +113,10 @@ class AgentProxy:
     upstream: str
     steer: Callable[[Exchange], dict | None] | None = None
     output_cap: int | None = None  # at most this many tokens per answer (steered answers: steered_cap)
+    # A JSON schema every answer but the steered one is held to (response_format, Responses text.format,
+    # Anthropic output_config.format), with tool_choice none: for clients that take an answer cut at its
+    # bound as an error.
+    answer_schema: dict | None = None
     steered_cap: int = 160
     exchanges: list[Exchange] = field(default_factory=list)
 
@@ -158,8 +164,11 @@ class AgentProxy:
                 exchange.body, exchange.steered = steered, True
             if exchange.steered:  # room for the whole call, whatever bound the client set
                 cap_output(exchange, self.steered_cap, raise_to=True)
-            elif self.output_cap is not None:
-                cap_output(exchange, self.output_cap)
+            else:
+                if self.output_cap is not None:
+                    cap_output(exchange, self.output_cap)
+                if self.answer_schema is not None:
+                    hold_answer(exchange, self.answer_schema)
             raw = json.dumps(exchange.body).encode()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         headers["x-request-id"] = exchange.request_id
@@ -202,6 +211,22 @@ class AgentProxy:
 def _path(scope) -> str:
     query = scope.get("query_string", b"").decode()
     return scope["path"] + (f"?{query}" if query else "")
+
+
+def hold_answer(exchange: Exchange, schema: dict) -> None:
+    """The answer held to `schema`, in the field the request's API uses, and no tool called (a model this
+    small, shown a tool's result, calls the tool again and again)."""
+    body = exchange.body
+    assert body is not None
+    if body.get("tools"):
+        body["tool_choice"] = {"type": "none"} if exchange.api == "messages" else "none"
+    if exchange.api == "messages":
+        body["output_config"] = {**(body.get("output_config") or {}), "format": {"type": "json_schema", "schema": schema}}
+    elif exchange.api == "responses":
+        body["text"] = {**(body.get("text") or {}),
+                        "format": {"type": "json_schema", "name": "answer", "schema": schema, "strict": True}}
+    else:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
 
 
 def cap_output(exchange: Exchange, cap: int, raise_to: bool = False) -> None:
