@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None)
     chat.set_defaults(handler=cmd_chat)
 
+    from kvflow.launch import add_launch_parser
+
+    add_launch_parser(sub)
     for register in _optional_commands():
         register(sub)
     return parser
@@ -130,7 +133,12 @@ def _stats_line(out) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvflow.launch import split_client_args
+
+    argv, client_args = split_client_args(sys.argv[1:] if argv is None else list(argv))
     args = build_parser().parse_args(argv)
+    if client_args:
+        args.client_args = client_args
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(message)s"
     )

@@ -54,6 +54,9 @@ def add_serve_parser(subparsers) -> None:
     g.add_argument("--no-ui", action="store_true", help="no chat page at GET / (a line of text instead)")
     g.add_argument("--no-metrics", action="store_true",
                    help="no /metrics and no live data for the page (which then stays a plain chat)")
+    g.add_argument("--strict-max-tokens", action="store_true",
+                   help="a request whose max_tokens does not fit in the context left after its prompt gets a 400 "
+                        "(default: max_tokens is cut to the room left, and the answer ends with reason 'length')")
     g.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     g.add_argument("--data-parallel-size", "--dp", type=_positive_int, default=1, metavar="N",
                    help="N engine cores (processes), each with its own copy of the model and KV cache (and, with "
@@ -107,7 +110,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     aliases = {loaded.resolved.name, args.model or DEFAULT_MODEL}
     settings = ServerSettings(served_model_name=name, model_aliases=aliases, api_key=args.api_key,
                               max_waiting=args.max_waiting, max_body_bytes=args.max_body_size,
-                              root_path=args.root_path, ui=not args.no_ui, metrics=not args.no_metrics)
+                              root_path=args.root_path, ui=not args.no_ui, metrics=not args.no_metrics,
+                              strict_max_tokens=args.strict_max_tokens)
     app = create_app(served, settings)
     config = uvicorn.Config(app, host=args.host, port=args.port, uds=args.uds, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_grace, access_log=False)
@@ -118,6 +122,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"  listening on {where}  (OpenAI: /v1, Ollama: /api, /metrics, /health"
           f"{'' if args.no_ui else '; chat page: /'})",
           file=sys.stderr, flush=True)
+    _warn_past_trained_context(engine.max_model_len, loaded)
     server = _GracefulServer(config)
     died: list[str] = []
     if hasattr(served, "on_death"):  # no engine core left: finish the streams' error events, then exit 1
@@ -128,6 +133,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"kvflow serve: {died[0] if died else engine.failure}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def _warn_past_trained_context(max_model_len: int, loaded) -> None:
+    """A warning when --max-model-len goes past the context the model was trained for: positions beyond it
+    are ones the model never saw (agents' 20,000-token prompts on a model trained for 8,192), so answers
+    there may degrade."""
+    arch = getattr(loaded, "arch", None)
+    trained = getattr(arch, "max_position_embeddings", None)
+    if trained and max_model_len > trained:
+        print(f"kvflow serve: warning: --max-model-len {max_model_len} is above the {trained} tokens this model "
+              f"was trained for; past {trained} tokens its answers may degrade", file=sys.stderr, flush=True)
 
 
 def _engine_process(choice: str, options) -> bool:

@@ -22,6 +22,7 @@ from starlette.requests import ClientDisconnect
 from kvflow.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
+from kvflow.server.context_fit import fit_context
 from kvflow.server.errors import APIError, bad_request, from_value_error
 from kvflow.server.metrics import ServerMetrics
 from kvflow.server.middleware import route_path
@@ -47,6 +48,7 @@ class ServerSettings:
     root_path: str = ""  # --root-path: every route also served under this prefix
     ui: bool = True  # the page at GET / (--no-ui: a line of text there instead)
     metrics: bool = True  # /metrics and the page's live data (--no-metrics: both 404)
+    strict_max_tokens: bool = False  # --strict-max-tokens: max_tokens past the context is a 400, not clamped
 
 
 def log_finished(out: RequestOutput) -> None:
@@ -246,13 +248,19 @@ def _is_branch(part: str) -> bool:
 async def submit(
     state: ServerState, prompts: Sequence[str | list[int]], params: SamplingParams, request_id: str
 ) -> list[RequestStream]:
-    """Add every prompt (one engine request each); all or none: a refused prompt aborts the others."""
+    """Add every prompt (one engine request each); all or none: a refused prompt aborts the others. Each is
+    tokenized here to fit it into the context (server/context_fit.py): max_tokens clamped to the room left."""
     state.check_capacity(len(prompts))
+    context, strict = state.engine.engine.max_model_len, state.settings.strict_max_tokens
+    fitted = []
+    for prompt in prompts:
+        _, ids = await state.engine.prompt_ids(prompt)
+        fitted.append((ids, fit_context(len(ids), params, context, strict)))
     streams: list[RequestStream] = []
     try:
-        for i, prompt in enumerate(prompts):
+        for i, (ids, prompt_params) in enumerate(fitted):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            streams.append(await state.engine.add_request(prompt, params, rid))
+            streams.append(await state.engine.add_request(ids, prompt_params, rid))
     except ValueError as exc:
         _abort(streams)
         raise from_value_error(exc) from None
