@@ -163,8 +163,11 @@ def prepare_model(loaded: LoadedModel) -> None:
         native = loaded.tensor_parallel is None and reason_unsupported(model) is None
         # Its dense path has no experts: a mixture of experts runs natively on the packed kernel alone, so
         # copies there would cost memory (and round differently from the steps that run) for nothing.
+        # A compiled forward traces the layers' many-row path: the tiles' C call is not in it, copies are.
+        compiled = plan.compile != "off" and loaded.tensor_parallel is None and compiling.should_compile(
+            plan.compile, native, experts=loaded.arch.num_experts > 0)
         if plan.bf16_copies and not (native and loaded.arch.num_experts > 0):
-            added = make_bf16_copies(model, ROW_THRESHOLDS.layers_dense_min_rows)
+            added = make_bf16_copies(model, ROW_THRESHOLDS.layers_dense_min_rows, tiles=not compiled)
             log.info("bfloat16 copies of the weights for many-row matmuls (+%.0f MiB)", added / 2**20)
         loaded.native = NativeModel(model) if native else None
         if loaded.native is not None:
@@ -177,7 +180,7 @@ def prepare_model(loaded: LoadedModel) -> None:
     return_freed_memory()
 
 
-def make_bf16_copies(model: torch.nn.Module, min_rows: int) -> int:
+def make_bf16_copies(model: torch.nn.Module, min_rows: int, tiles: bool = True) -> int:
     """Give every float32 Linear and packed layer (the packed output head aside: it only sees sampled rows) a
     bfloat16 copy for matmuls of at least min_rows rows, unless it multiplies its packed weights on AMX
     bfloat16 tiles at that rate without one (the copy would cost 2 bytes a weight: 16 GB for an 8B model).
@@ -195,7 +198,7 @@ def make_bf16_copies(model: torch.nn.Module, min_rows: int) -> int:
             added += module.weight_bf16.numel() * 2
         elif isinstance(module, QuantLinear) and not name.startswith(("lm_head", "embed_tokens")):
             module.max_kernel_rows = min_rows - 1
-            module.dense_from_packed = multiplies_packed_on_tiles(module)
+            module.dense_from_packed = tiles and multiplies_packed_on_tiles(module)
             if module.dense_from_packed:
                 continue  # as fast from the packed weights (AMX bfloat16 tiles): no copy
             module.cache_dense_bf16()

@@ -77,9 +77,10 @@ class QuantLinear(nn.Module):
     def _tiled_mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense_bf16 is not None:
             return torch.nn.functional.linear(x, self.dense_bf16)
-        y = torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
-        if self.dense_bf16_into(x, y):
-            return y
+        if getattr(self, "dense_from_packed", False) and not torch.compiler.is_compiling():
+            y = torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
+            if self.dense_bf16_into(x, y):  # set where model_setup found the AMX tiles take this layer
+                return y
         row_bytes = 2 * self.in_features
         step = max(self.tile_align, self.tile_bytes // row_bytes // self.tile_align * self.tile_align)
         n = self.out_features
