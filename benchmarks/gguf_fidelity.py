@@ -37,6 +37,7 @@ import ctypes
 import gc
 import json
 import os
+import pickle
 import subprocess
 import tempfile
 import time
@@ -449,7 +450,7 @@ def gap_at(e: Engine, result: dict) -> float:
 
 
 def spread_text(gaps: list[float]) -> str:
-    return f"{np.mean(gaps):+.3f} ± {np.std(gaps):.3f}, {sum(g < 0 for g in gaps)}/{len(gaps)} < 0"
+    return f"{np.mean(gaps):+.3f} ± {np.std(gaps):.3f} ({sum(g < 0 for g in gaps)}/{len(gaps)} < 0)"
 
 
 def margin_row(result: dict, names: list[str], tokenizer) -> str:
@@ -458,10 +459,12 @@ def margin_row(result: dict, names: list[str], tokenizer) -> str:
     by = {e.name: e for e in result["engines"]}
     cells = []
     for n in names:
-        cell = f"{gap_at(by[n], result):+.3f}" if n in by else "-"
-        if n in result["spread"]:
-            cell += f" (jittered: {spread_text(result['spread'][n])})"
-        cells.append(cell)
+        if n == "float":
+            cells.append(f"{gap_at(by[n], result):+.3f} ± {np.std(result['spread'][n]):.0e}")
+        elif n.startswith("emu"):  # one run's gap turns on float32 noise: the jittered runs' spread
+            cells.append(spread_text(result["spread"][n]) if n in result["spread"] else "-")
+        else:
+            cells.append(f"{gap_at(by[n], result):+.3f}")
     mix = ", ".join(f"{n} {c}" for n, c in result["mix"].most_common())
     return (f"| {result['label']} | {mix} | {k + 1} | {tok(tokenizer, a)} vs {tok(tokenizer, b)} | "
             + " | ".join(cells) + " |")
@@ -478,6 +481,54 @@ def rms_row(result: dict, names: list[str]) -> list[str]:
         return f"{float(np.sqrt((d * d).mean())):.3f}"
 
     return [rms(by[n]) if n in by else "-" for n in names]
+
+
+def summary(results: list[dict], tokenizer) -> str:
+    """The figures the conclusion rests on, over all files."""
+    def gaps(name: str) -> list[float]:
+        return [gap_at(next(e for e in r["engines"] if e.name == name), r) for r in results]
+
+    def rms(name: str) -> list[float]:
+        return [float(rms_row(r, [name])[0]) for r in results]
+
+    ref, fast, llama, plain = gaps("float"), gaps("kvflow fast"), gaps("llama.cpp"), gaps("llama.cpp plain")
+    tensors = sum(v[0] for r in results for v in r["gaps"].values())
+    equal = sum(v[1] for r in results for v in r["gaps"].values())
+    parted = [r["label"] for r in results if next(e for e in r["engines"] if e.name == "llama.cpp").parts_at(r["path"])
+              is not None]
+    kvflow_parted = [f"{r['label']} ({e.name})" for r in results for e in r["engines"]
+                     if e.name.startswith("kvflow") and e.parts_at(r["path"]) is not None]
+    emu = [r["spread"]["emu q8+f16"] for r in results]
+    lines = [
+        f"- Dequantizers: {equal} of {tensors} quantized tensors in the {len(results)} files dequantize bitwise "
+        "equal in the gguf package (transformers', and kvflow's for what it does not keep packed) and in llama.cpp's "
+        "dequantize_row_*" + ("." if equal == tensors else ": the others differ, see the table."),
+        "- kvflow: exact and fast mode give the float model's answer on "
+        f"{len(results) - len({x.split(' (')[0] for x in kvflow_parted})} of {len(results)} files"
+        + (f" (not: {', '.join(kvflow_parted)})" if kvflow_parted else "")
+        + f"; at the decision points the fast mode moves the float gap by at most "
+        f"{max(abs(f - g) for f, g in zip(fast, ref)):.3f}, and its logits lie {max(rms('kvflow fast')):.3f} RMS or "
+        "less from the float model's.",
+        f"- llama.cpp parts from the float answer on {len(parted)} of {len(results)} files ({', '.join(parted)}), each "
+        f"time at a float margin of {min(ref):.3f} to {max(ref):.3f} logits; its logits lie "
+        f"{min(rms('llama.cpp')):.3f} to {max(rms('llama.cpp')):.3f} RMS from the float model's and move the gap by "
+        f"{min(g - f for f, g in zip(ref, llama)):+.3f} to {max(g - f for f, g in zip(ref, llama)):+.3f}; its own two "
+        f"kernel sets (AMX/repacked vs plain vec_dot) differ from each other by up to "
+        f"{max(abs(a - b) for a, b in zip(llama, plain)):.3f} there.",
+        f"- The float model with llama.cpp's 8-bit activations and float16 attention: logits "
+        f"{min(rms('emu q8+f16')):.3f} to {max(rms('emu q8+f16')):.3f} RMS from float (llama.cpp's distance), "
+        f"gap sd {min(np.std(g) for g in emu):.3f} to {max(np.std(g) for g in emu):.3f} under a {JITTER:g} jitter "
+        f"(without the roundings: {max(np.std(r['spread']['float']) for r in results):.0e}), picking the runner-up "
+        f"in {sum(sum(x < 0 for x in g) for g in emu)} of {SAMPLES * len(emu)} runs over the files.",
+    ]
+    kq = [r for r in results if "emu no Q8_K" in r["spread"]]
+    if kq:
+        with_k = sum(sum(x < 0 for x in r["spread"]["emu q8+f16"]) for r in kq)
+        without = sum(sum(x < 0 for x in r["spread"]["emu no Q8_K"]) for r in kq)
+        lines.append(f"- On the files with K-quants ({', '.join(r['label'] for r in kq)}), the same emulation picks the "
+                     f"runner-up in {with_k} of {SAMPLES * len(kq)} runs; with the K-quant matmuls' inputs left in "
+                     f"float32 (no Q8_K), in {without}.")
+    return "\n".join(lines)
 
 
 def conclusion(results: list[dict], tokenizer) -> str:
@@ -514,6 +565,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--record", action="store_true", help=f"write the text to {SECTION.name}")
+    ap.add_argument("--dump", type=Path, help="also pickle the results here")
+    ap.add_argument("--report", type=Path, help="only print the report of results pickled by --dump")
     args = ap.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers import AutoTokenizer
@@ -532,8 +585,10 @@ def main() -> None:
                                          add_generation_prompt=True)
     prompt = tokenizer(text, add_special_tokens=False).input_ids
     results = []
+    if args.report:
+        results = pickle.loads(args.report.read_bytes())
     with tempfile.TemporaryDirectory() as tmp:
-        for ftype in args.types.split(","):
+        for ftype in [] if args.report else args.types.split(","):
             if ftype == "Q4_1":
                 path = src
             else:
@@ -545,6 +600,8 @@ def main() -> None:
             results.append(study(path, ftype if ftype != "Q4_1" else "Q4_1 (original)", tokenizer, prompt,
                                  args, ggml, Path(tmp)))
 
+    if args.dump:
+        args.dump.write_bytes(pickle.dumps(results))
     names = ["float", "kvflow exact", "kvflow fast", "llama.cpp", "llama.cpp plain", "emu q8", "emu q8+f16",
              "emu no Q8_K"]
     out = [f"### Fidelity across engines on the default model's GGUF types ({time.strftime('%Y-%m-%d %H:%M')}, "
@@ -557,12 +614,14 @@ def main() -> None:
            "|---|---|---|---|---|---|"]
     for r in results:
         out += answers_rows(r, tokenizer)
-    out += ["", "At each file's decision point (the first token where any engine or emulation parts from the float "
-            "answer): the gap logprob(float's first) - logprob(float's second), teacher-forced along the float "
+    out += ["", "At each file's decision point (the first token where an engine, else an emulation, parts from the "
+            "float answer): the gap logprob(float's first) - logprob(float's second), teacher-forced along the float "
             "answer; a negative gap picks the second. emu: the float model with llama.cpp's roundings (q8: each "
             "matmul's input through llama.cpp's Q8_0/Q8_K quantizer; +f16: q, k, v and softmax weights in float16 "
-            "as its KV cache; no Q8_K: the K-quant matmuls' inputs left in float32). Then the centred-logit RMS "
-            "distance to the float model there.", "",
+            "as its KV cache; no Q8_K: the K-quant matmuls' inputs left in float32); one such run's gap turns on "
+            f"float32 noise, so each is run {SAMPLES} times with every matmul input jittered by a relative {JITTER:g} "
+            "(the float column's ± is the same jitter without the roundings): mean ± sd of the gap, and how many runs "
+            "pick the second. Then the centred-logit RMS distance to the float model there.", "",
             "| file | 2-D tensors | token | float's top 2 | " + " | ".join(names) + " |",
             "|" + "---|" * (4 + len(names))]
     for r in results:
@@ -575,7 +634,7 @@ def main() -> None:
     for r in results:
         for name, (n, equal, diff, rel) in r["gaps"].items():
             out.append(f"| {r['label']} | {name} | {n} | {equal} | {diff:.2e} | {rel:.2e} |")
-    out += ["", conclusion(results, tokenizer), ""]
+    out += ["", "Summary:", "", summary(results, tokenizer), "", "Per file:", "", conclusion(results, tokenizer), ""]
     text = "\n".join(out)
     print(text)
     if args.record:
