@@ -20,8 +20,10 @@ model's chat template, by:
 
 Every engine gets the same prompt token ids (checked against each engine's own chat path). Each engine is
 also teacher-forced along the float model's answer (kvflow by a sampler that records the logits and
-substitutes the float model's token; llama.cpp by evaluating those tokens one at a time), so its
-log-probabilities at a position are conditioned on the same prefix as the float model's. A third table
+substitutes the float model's token; llama.cpp's own greedy pass is that up to where it parts), so its
+log-probabilities at a position are conditioned on the same prefix as the float model's. The emulations'
+answers turn on float32 noise (a forward over more rows, another blocking of a float32 matmul, flips them), so
+at the decision point they are run 16 times with jittered inputs and reported as a spread. A third table
 compares the gguf package's dequantization of every quantized tensor in the file with llama.cpp's
 dequantize_row_* (max |difference|).
 
@@ -76,21 +78,21 @@ chat_ids = llm.input_ids[: llm.n_tokens].tolist()
 prompt, path_ids, eos = spec["prompt"], spec["path"], llm.token_eos()
 def logits():
     return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).copy()
+# One greedy pass: until it parts from the path its rows are the path's (teacher-forced) rows; the rows after
+# that are never read (the decision point is at or before the first engine's parting), so they stay NaN.
 llm.reset()
 llm.eval(prompt)
-free = []
+free, forced = [], []
 while len(free) < spec["tokens"]:
-    free.append(int(np.argmax(logits())))
+    row = logits()
+    free.append(int(np.argmax(row)))
+    if len(forced) < len(path_ids):
+        on_path = free[:-1] == path_ids[: len(free) - 1]
+        forced.append(row if on_path else np.full_like(row, np.nan))
     if free[-1] == eos:
         break
     llm.eval([free[-1]])
-llm.reset()
-llm.eval(prompt)
-forced = []
-for k, token in enumerate(path_ids):
-    forced.append(logits())
-    if k + 1 < len(path_ids):
-        llm.eval([token])
+forced += [np.full(llm.n_vocab(), np.nan, np.float32)] * (len(path_ids) - len(forced))
 np.save(out, np.stack(forced))
 print(json.dumps({"chat": chat["choices"][0]["message"]["content"], "chat_prompt": chat_ids[: len(prompt)],
                   "free": free}))
@@ -365,6 +367,11 @@ def study(path: Path, label: str, tokenizer, prompt: list[int], args, ggml, tmp:
     del reader
 
     start = time.perf_counter()
+    clock = {}
+
+    def lap(name: str) -> None:
+        clock[name] = time.perf_counter() - start - sum(clock.values())
+
     model = load_float_model(path, types, ggml)
     MODE.update(PLAIN)
     ref = hf_run(model, tokenizer, "float", prompt, args.tokens, None)
@@ -375,11 +382,14 @@ def study(path: Path, label: str, tokenizer, prompt: list[int], args, ggml, tmp:
         MODE.update({**PLAIN, **mode})
         engines.append(hf_run(model, tokenizer, name, prompt, args.tokens, path_ids))
     MODE.update(PLAIN)
+    lap("float and emulations")
     for mode in ("exact", "fast"):
         engines.append(kvflow_run(path, mode, prompt, args.tokens, path_ids, args.threads))
+    lap("kvflow")
     engines.append(llamacpp_run(path, "llama.cpp", True, prompt, args.tokens, path_ids, args.threads, tokenizer, tmp))
     engines.append(llamacpp_run(path, "llama.cpp plain", False, prompt, args.tokens, path_ids, args.threads,
                                 tokenizer, tmp))
+    lap("llama.cpp")
     result = {"label": label, "mix": mix, "engines": engines, "path": path_ids}
     k = decision_point(result)
     a, b, _ = top2(ref, k)
@@ -387,8 +397,11 @@ def study(path: Path, label: str, tokenizer, prompt: list[int], args, ggml, tmp:
                         for name, mode in {"float": {}, **emulations}.items()}
     del model
     gc.collect()
+    lap("spreads")
     result["gaps"] = dequantizer_gaps(path, ggml)
-    print(f"{label}: {time.perf_counter() - start:.0f} s", flush=True)
+    lap("dequantizers")
+    print(f"{label}: {time.perf_counter() - start:.0f} s ({', '.join(f'{k} {v:.0f} s' for k, v in clock.items())})",
+          flush=True)
     return result
 
 
@@ -609,7 +622,8 @@ def main() -> None:
            f"`python benchmarks/gguf_fidelity.py`: {QUESTION!r} in the chat template, greedy, {args.tokens} tokens, "
            f"{args.threads} threads. Float: transformers in float32 on the GGUF's dequantized weights. Where an "
            "engine's answer parts from the float model's: the float model's top two tokens there and their "
-           "logit margin, and the engine's log-probabilities of those two, conditioned on the same prefix.", "",
+           "logit margin, and the engine's log-probabilities of those two, conditioned on the same prefix. The emu rows "
+           "are one run each: their answers turn on float32 noise (spreads in the next table).", "",
            "| file | engine | answer | parts from float at | float's top 2 (margin) | engine's logprobs |",
            "|---|---|---|---|---|---|"]
     for r in results:
