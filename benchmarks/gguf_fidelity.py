@@ -212,6 +212,7 @@ def load_float_model(path: Path, types: dict[str, str], ggml: ctypes.CDLL):
         kind = activation_type(weight)
         if kind is None:
             continue
+        module.q8_kind = kind
 
         def hook(module, args, kind=kind):
             x = args[0]
@@ -241,6 +242,31 @@ def gap_spread(model, prompt: list[int], path: list[int], k: int, a: int, b: int
         gaps.append(float(row[a] - row[b]))
     MODE.update(PLAIN)
     return gaps
+
+
+def rounding_errors(model, ggml: ctypes.CDLL, prompt: list[int]) -> tuple[dict, dict]:
+    """Per llama.cpp activation type, one entry per matmul, at the prompt's last row of the float forward:
+    the relative RMS error of its input when rounded that way, and its input's max |x| / median |x|."""
+    import torch
+
+    torch.set_num_threads(1)  # see hf_run
+    errors: dict[str, list[float]] = {}
+    peaks: dict[str, list[float]] = {}
+    handles = []
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and getattr(module, "q8_kind", None):
+            def hook(module, args):
+                x = args[0][0, -1:].float()
+                y = q8_roundtrip(ggml, x, module.q8_kind)
+                errors.setdefault(module.q8_kind, []).append(float((y - x).norm() / x.norm()))
+                peaks.setdefault(module.q8_kind, []).append(float(x.abs().max() / x.abs().median()))
+            handles.append(module.register_forward_pre_hook(hook))
+    MODE.update(PLAIN)
+    with torch.no_grad():
+        model(torch.tensor([prompt]))
+    for h in handles:
+        h.remove()
+    return errors, peaks
 
 
 def hf_run(model, tokenizer, name: str, prompt: list[int], tokens: int, path: list[int] | None) -> Engine:
@@ -395,6 +421,9 @@ def study(path: Path, label: str, tokenizer, prompt: list[int], args, ggml, tmp:
     a, b, _ = top2(ref, k)
     result["spread"] = {name: gap_spread(model, prompt, path_ids, k, a, b, mode)
                         for name, mode in {"float": {}, **emulations}.items()}
+    result["rounding"], result["peaks"] = rounding_errors(model, ggml, prompt)
+    result["kquant_tensors"] = sorted({name.split(".")[-2] for name, t in types.items()
+                                       if activation_type(t) == "q8_K"})
     del model
     gc.collect()
     lap("spreads")
@@ -540,7 +569,14 @@ def summary(results: list[dict], tokenizer) -> str:
         without = sum(sum(x < 0 for x in r["spread"]["emu no Q8_K"]) for r in kq)
         lines.append(f"- On the files with K-quants ({', '.join(r['label'] for r in kq)}), the same emulation picks the "
                      f"runner-up in {with_k} of {SAMPLES * len(kq)} runs; with the K-quant matmuls' inputs left in "
-                     f"float32 (no Q8_K), in {without}.")
+                     f"float32 (no Q8_K), in {without}. Q8_K (one scale per 256) loses a median "
+                     f"{np.median([x for r in kq for x in r['rounding']['q8_K']]):.2%} of an input's RMS (max "
+                     f"{max(x for r in kq for x in r['rounding']['q8_K']):.2%}), Q8_0 (per 32) "
+                     f"{np.median([x for r in kq for x in r['rounding'].get('q8_0', [])]):.2%} on their other matmuls; the K-quant "
+                     f"matmuls are {', '.join(sorted({n for r in kq for n in r['kquant_tensors']}))}, whose inputs' "
+                     f"largest |x| is {min(x for r in kq for x in r['peaks']['q8_K']):.0f} to "
+                     f"{max(x for r in kq for x in r['peaks']['q8_K']):.0f} times their median (the other matmuls' "
+                     f"inputs: up to {max(x for r in kq for x in r['peaks'].get('q8_0', [0])):.0f}).")
     return "\n".join(lines)
 
 
@@ -566,6 +602,9 @@ def conclusion(results: list[dict], tokenizer) -> str:
                 f"jitters of {JITTER:g} (float alone: ± {np.std(spread['float']):.1e})")
         if "emu no Q8_K" in spread:
             line += f", without the Q8_K rounding {spread_text(spread['emu no Q8_K'])}"
+        line += ". llama.cpp's rounding of the matmul inputs (prompt's last row, relative RMS error, median / max " \
+            "over the matmuls): " + ", ".join(f"{kind.upper()} {np.median(e):.2%} / {max(e):.2%} ({len(e)})"
+                                              for kind, e in sorted(r["rounding"].items()))
         line += (f". Dequantizers: {equal} of {total} quantized tensors bitwise equal to llama.cpp's (max |diff| "
                  f"{dq:.1e}).")
         lines.append(line)
