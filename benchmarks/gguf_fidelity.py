@@ -416,7 +416,7 @@ def study(path: Path, label: str, tokenizer, prompt: list[int], args, ggml, tmp:
     engines.append(llamacpp_run(path, "llama.cpp plain", False, prompt, args.tokens, path_ids, args.threads,
                                 tokenizer, tmp))
     lap("llama.cpp")
-    result = {"label": label, "mix": mix, "engines": engines, "path": path_ids}
+    result = {"label": label, "mix": mix, "engines": engines, "path": path_ids, "when": time.strftime("%Y-%m-%d %H:%M")}
     k = decision_point(result)
     a, b, _ = top2(ref, k)
     result["spread"] = {name: gap_spread(model, prompt, path_ids, k, a, b, mode)
@@ -558,7 +558,8 @@ def summary(results: list[dict], tokenizer) -> str:
         f"kernel sets (AMX/repacked vs plain vec_dot) differ from each other by up to "
         f"{max(abs(a - b) for a, b in zip(llama, plain)):.3f} there.",
         f"- The float model with llama.cpp's 8-bit activations and float16 attention: logits "
-        f"{min(rms('emu q8+f16')):.3f} to {max(rms('emu q8+f16')):.3f} RMS from float (llama.cpp's distance), "
+        f"{min(rms('emu q8+f16')):.3f} to {max(rms('emu q8+f16')):.3f} RMS from float (llama.cpp's: "
+        f"{min(rms('llama.cpp')):.3f} to {max(rms('llama.cpp')):.3f}), "
         f"gap sd {min(np.std(g) for g in emu):.3f} to {max(np.std(g) for g in emu):.3f} under a {JITTER:g} jitter "
         f"(without the roundings: {max(np.std(r['spread']['float']) for r in results):.0e}), picking the runner-up "
         f"in {sum(sum(x < 0 for x in g) for g in emu)} of {SAMPLES * len(emu)} runs over the files.",
@@ -656,7 +657,7 @@ def main() -> None:
         args.dump.write_bytes(pickle.dumps(results))
     names = ["float", "kvflow exact", "kvflow fast", "llama.cpp", "llama.cpp plain", "emu q8", "emu q8+f16",
              "emu no Q8_K"]
-    out = [f"### Fidelity across engines on the default model's GGUF types ({time.strftime('%Y-%m-%d %H:%M')}, "
+    out = [f"### Fidelity across engines on the default model's GGUF types ({results[0].get('when', '') if results else ''}, "
            f"CPU {cpu_features.cpu_name()}, kvflow tier {cpu_features.isa_tier()})", "",
            f"`python benchmarks/gguf_fidelity.py`: {QUESTION!r} in the chat template, greedy, {args.tokens} tokens, "
            f"{args.threads} threads. Float: transformers in float32 on the GGUF's dequantized weights. Where an "
