@@ -33,6 +33,11 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=m.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default=m.device, help="auto, cpu or cuda")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--rope-scaling", type=_rope_scaling, default=None, metavar="TYPE:FACTOR[:ORIG]|JSON",
+                   help="rotary scaling in place of the model's own, to run past its trained context: yarn or "
+                        "linear, e.g. yarn:4:32768 (factor 4 over an original 32768 tokens; the original "
+                        "defaults to the model's) or vLLM's '{\"rope_type\": \"yarn\", \"factor\": 4.0, "
+                        "\"original_max_position_embeddings\": 32768}'; the context grows to match")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV cache budget, e.g. 2GiB")
     g.add_argument("--kv-cache-dtype", default=c.kv_cache_dtype, choices=["auto", "float32", "bfloat16", "float16", "int8"],
                    help="int8 (CPU): 8-bit K/V with a scale per token and head, about half the bytes of 16-bit")
@@ -81,6 +86,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
 def engine_options(args: argparse.Namespace) -> dict:
     return dict(
         model=args.model, mode=args.mode, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        rope_scaling=args.rope_scaling,
         kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         long_prefill_token_threshold=args.long_prefill_token_threshold, max_decode_slowdown=args.max_decode_slowdown,
@@ -92,6 +98,15 @@ def engine_options(args: argparse.Namespace) -> dict:
         tensor_parallel_size=args.tensor_parallel_size, trace_file=args.trace,
         speculative_config=args.speculative_config,
     )
+
+
+def _rope_scaling(text: str) -> dict:
+    from kvflow.models.rope_override import parse_rope_scaling
+
+    try:
+        return parse_rope_scaling(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _speculative_config(text: str):

@@ -16,6 +16,9 @@ class ModelConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
     max_model_len: int | None = None  # None: the model's own context length
+    # Rotary scaling in place of the model's own (models/rope_override.py): {"rope_type": "yarn" | "linear",
+    # "factor": ..., ...}, as vLLM's --rope-scaling; None: the model's own.
+    rope_scaling: dict | None = None
     # None: automatic (a GGUF file's Q4_x/Q5_x/Q8_0/K-quant/IQ4 weights stay packed in the default fast mode on CPU);
     # "none": float weights; "gguf": packed GGUF weights; "int8" | "int4": quantize a float checkpoint.
     quantization: str | None = None
@@ -99,6 +102,10 @@ def engine_config(**options) -> EngineConfig:
         raise ValueError(f"max_decode_slowdown must be 0 (off) or more than 1, not {slowdown}")
     if config.scheduler.max_step_ms <= 0:
         raise ValueError(f"max_step_ms must be > 0, not {config.scheduler.max_step_ms}")
+    if config.model.rope_scaling is not None:  # checked (and its short form read) before any load
+        from kvflow.models.rope_override import parse_rope_scaling
+
+        config.model.rope_scaling = parse_rope_scaling(config.model.rope_scaling)
     if config.cache.block_size < 1:
         raise ValueError("block_size must be >= 1")
     if config.scheduler.scheduling_policy not in ("fcfs", "lpm"):

@@ -34,6 +34,7 @@ from kvflow.loader.packed_cache import PackedCache, cache_key, default_folder
 from kvflow.loader.resolve import ResolvedModel, resolve_model
 from kvflow.models.arch import ArchConfig
 from kvflow.models.registry import model_class_for
+from kvflow.models.rope_override import apply_rope_scaling
 
 log = logging.getLogger("kvflow")
 
@@ -108,7 +109,7 @@ def load_model(config: ModelConfig, with_tokenizer: bool = True,
     made the group, never read from the process: an engine of another size in the same process is no concern."""
     resolved = resolve_model(config.model)
     files = open_model_files(resolved)
-    arch = read_arch(files)
+    arch = apply_rope_scaling(read_arch(files), config.rope_scaling)  # --rope-scaling, where stated
     model_class_for(arch)  # refuses what this architecture's class cannot run, before the heavy reads
     with ThreadPoolExecutor(1, thread_name_prefix="kvflow-tokenizer") as pool:
         # The tokenizer builds (mostly Python: transformers' import, a 128K vocabulary) while the weights

@@ -105,7 +105,7 @@ class ArchConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            max_position_embeddings=_context(cfg, rope_scaling),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
             hidden_act=str(cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"),
@@ -166,9 +166,27 @@ def _rope_settings(cfg: dict[str, Any]) -> tuple[float, dict | None]:
     return float(cfg.get("rope_theta", 10000.0)), (_with_lengths(dict(scaling), cfg) if scaling else None)
 
 
+def _context(cfg: dict[str, Any], scaling: dict | None) -> int:
+    """The model's context: its config's, or as far as its YaRN scaling reaches if that is further (as vLLM
+    derives it: Qwen's long-context recipe adds YaRN over 32768 tokens and leaves max_position_embeddings)."""
+    context = int(cfg.get("max_position_embeddings", 4096))
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "yarn":
+        return max(context, int(scaling["original_max_position_embeddings"] * scaling["factor"]))
+    return context
+
+
 def _with_lengths(scaling: dict, cfg: dict[str, Any]) -> dict:
-    """LongRoPE reads the original and the extended context lengths, which configs keep beside it."""
-    if scaling.get("rope_type", scaling.get("type")) == "longrope":
+    """LongRoPE reads the original and the extended context lengths, which configs keep beside it. YaRN
+    reads the original one too, and as transformers does: a top-level original_max_position_embeddings
+    first, else the scaling's own, else the model's context; and a missing factor is their ratio."""
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    if rope_type == "longrope":
         scaling.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
         scaling.setdefault("max_position_embeddings", cfg.get("max_position_embeddings"))
+    elif rope_type == "yarn":
+        context = int(cfg.get("max_position_embeddings", 4096))
+        original = cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+        scaling["original_max_position_embeddings"] = int(original or context)
+        if scaling.get("factor") is None:
+            scaling["factor"] = context / scaling["original_max_position_embeddings"]
     return scaling
