@@ -78,9 +78,13 @@ def prepare_chat(tokenizer, body: ChatCompletionRequest) -> ChatPrompt:
 def _prepare_chat(tokenizer, body: ChatCompletionRequest) -> ChatPrompt:
     template = getattr(tokenizer, "chat_template", None) or ""
     harmony = CHANNEL in template and is_harmony(template)  # (the first test keeps harmony.py off plain requests)
-    tools = body.tools if body.calls_tools else None
+    # Under tool_choice "none" the tools stay in the prompt (vLLM's default): an agent that alternates
+    # "none" and "auto" over the same tools then reuses the prefix cache, where a prompt without them
+    # would part from the other at its first lines. The answer is neither held to nor read for calls.
+    shown = body.tools or None
+    tools = shown if body.calls_tools else None
     fmt = template_format(template) if tools else None
-    uses_tools = bool(tools) or any(m.tool_calls or m.role == "tool" for m in body.messages)
+    uses_tools = bool(shown) or any(m.tool_calls or m.role == "tool" for m in body.messages)
     knows_tools = uses_tools and template_knows_tools(template)
     messages = []
     for m in body.messages:
@@ -100,10 +104,11 @@ def _prepare_chat(tokenizer, body: ChatCompletionRequest) -> ChatPrompt:
         messages = one_call_each(messages)
 
     template_tools = None
-    if tools and knows_tools:
-        template_tools = [t.template_dict() for t in tools]
-    elif tools:
-        messages, fmt = with_tools_prompt(messages, tools), HERMES  # kvflow describes the hermes format
+    if shown and knows_tools:
+        template_tools = [t.template_dict() for t in shown]
+    elif shown:
+        messages = with_tools_prompt(messages, shown)  # kvflow describes the hermes format
+        fmt = HERMES if tools else None
     prompt = render_chat(tokenizer, messages, tools=template_tools, template_kwargs=body.template_kwargs(),
                          continue_final=body.continue_final_message,
                          add_generation_prompt=body.add_generation_prompt)
