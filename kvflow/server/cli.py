@@ -16,7 +16,6 @@ import sys
 import threading
 
 from kvflow.cli_options import add_engine_options, engine_options, parse_bytes
-from kvflow.server.serving import DEFAULT_MAX_BODY_BYTES
 
 
 def _positive_int(text: str) -> int:
@@ -47,7 +46,9 @@ def add_serve_parser(subparsers) -> None:
     g.add_argument("--max-waiting", type=_positive_int, default=None,
                    help="at most N requests wait for the engine; more get 503 with Retry-After (default: no limit)")
     g.add_argument("--served-model-name", default=None, help="the model name the APIs report and accept")
-    g.add_argument("--max-body-size", type=parse_bytes, default=DEFAULT_MAX_BODY_BYTES,
+    # (default None, read as serving's DEFAULT_MAX_BODY_BYTES: building the parser imports no server code,
+    # so `kvflow launch` and `--help` start without torch)
+    g.add_argument("--max-body-size", type=parse_bytes, default=None,
                    help="larger request bodies get 413 (default: 4MiB)")
     g.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds to let responses in flight finish on SIGTERM/SIGINT")
@@ -85,7 +86,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvflow.engine.engine import LLMEngine
     from kvflow.loader.resolve import DEFAULT_MODEL
     from kvflow.server.app import create_app
-    from kvflow.server.serving import ServerSettings
+    from kvflow.server.serving import DEFAULT_MAX_BODY_BYTES, ServerSettings
 
     # --log-level sets kvflow's own lines too (at info: one per finished request, by its id); -v still means info.
     logging.getLogger("kvflow").setLevel(logging.INFO if args.verbose else args.log_level.upper())
@@ -109,7 +110,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or loaded.resolved.name
     aliases = {loaded.resolved.name, args.model or DEFAULT_MODEL}
     settings = ServerSettings(served_model_name=name, model_aliases=aliases, api_key=args.api_key,
-                              max_waiting=args.max_waiting, max_body_bytes=args.max_body_size,
+                              max_waiting=args.max_waiting,
+                              max_body_bytes=DEFAULT_MAX_BODY_BYTES if args.max_body_size is None else args.max_body_size,
                               root_path=args.root_path, ui=not args.no_ui, metrics=not args.no_metrics,
                               strict_max_tokens=args.strict_max_tokens)
     app = create_app(served, settings)
