@@ -33,6 +33,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured_output: StructuredOutput | None = None  # a JSON schema, regex, choice or grammar to match
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's range: [-100, 100])
+    # A prefix-cache key (OpenAI's prompt_cache_key; Anthropic's cache_control): the prompt's cached blocks
+    # are evicted after those of requests without one, and data-parallel replicas route by it.
+    cache_key: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

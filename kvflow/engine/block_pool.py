@@ -4,7 +4,10 @@ A block with ref_cnt 0 sits in the free queue. If it was full and hashed, it kee
 still be found by a prefix-cache lookup (and revived) until it is popped for reuse; only then is it
 evicted and its hash forgotten. Freeing a hashed block appends it to the queue's tail and allocation
 pops the head, so the least recently freed cached blocks are evicted first. A block freed without a hash
-holds nothing to find again: it goes to the head and is reused first, ahead of blocks never written. On
+holds nothing to find again: it goes to the head and is reused first, ahead of blocks never written.
+A block marked kept (a prompt block of a request that named a prefix-cache key: OpenAI's prompt_cache_key,
+Anthropic's cache_control) waits in a second queue, taken only once the first is empty: under pressure,
+unmarked cached blocks are evicted first, least recently freed first within each class. On
 CPU the cache starts as untouched memory, and first writes to a page fault it in: reusing written
 blocks first keeps those faults out of requests' prefill (figures: benchmarks/RESULTS.md, "Figures
 behind the code").
@@ -30,7 +33,7 @@ def hash_block_tokens(
 
 
 class KVBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "prev_free", "next_free", "kept")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -39,6 +42,7 @@ class KVBlock:
         self.token_ids: tuple[int, ...] | None = None  # the tokens its hash names (kept for checks)
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
+        self.kept = False  # evicted after unmarked blocks (set while held, cleared on eviction)
 
     def __repr__(self) -> str:
         return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, hashed={self.block_hash is not None})"
@@ -110,6 +114,7 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
+        self.kept_queue = FreeBlockQueue(())  # free cached blocks marked kept: taken after free_queue's
         self.cached: dict[BlockHash, KVBlock] = {}  # one block per hash; duplicates stay unregistered
         # Hashes whose block was evicted, so a miss can be blamed on eviction. Bounded: oldest forgotten.
         self.evicted_hashes: OrderedDict[BlockHash, None] = OrderedDict()
@@ -117,7 +122,18 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        return len(self.free_queue) + len(self.kept_queue)
+
+    def queue_of(self, block: KVBlock) -> FreeBlockQueue:
+        """The free queue a block with ref_cnt 0 sits in."""
+        return self.kept_queue if block.kept else self.free_queue
+
+    def keep(self, blocks: Iterable[KVBlock]) -> None:
+        """Mark held, cached blocks kept: once freed they are evicted after every unmarked one."""
+        for block in blocks:
+            if block.block_hash is not None:
+                assert block.ref_cnt > 0, f"{block} is not held"
+                block.kept = True
 
     @property
     def usage(self) -> float:
@@ -134,7 +150,7 @@ class BlockPool:
         """Take a reference on prefix-cache hits; a free one leaves the free queue (it is revived)."""
         for block in blocks:
             if block.ref_cnt == 0:
-                self.free_queue.remove(block)
+                self.queue_of(block).remove(block)
             block.ref_cnt += 1
 
     def get_new_blocks(self, n: int) -> list[KVBlock]:
@@ -142,7 +158,7 @@ class BlockPool:
             raise ValueError(f"asked for {n} blocks but only {self.num_free_blocks} are free")
         new = []
         for _ in range(n):
-            block = self.free_queue.popleft()
+            block = (self.free_queue if len(self.free_queue) else self.kept_queue).popleft()
             self._evict(block)
             assert block.ref_cnt == 0
             block.ref_cnt = 1
@@ -159,7 +175,7 @@ class BlockPool:
                 if block.block_hash is None:
                     self.free_queue.appendleft(block)
                 else:
-                    self.free_queue.append(block)
+                    self.queue_of(block).append(block)
 
     def cache_full_block(self, block: KVBlock, block_hash: BlockHash, token_ids: Sequence[int]) -> bool:
         """Register a full, computed block under its hash. Returns False (and leaves the map alone) when
@@ -179,6 +195,7 @@ class BlockPool:
         return True
 
     def _evict(self, block: KVBlock) -> None:
+        block.kept = False
         if block.block_hash is None:
             return
         del self.cached[block.block_hash]
@@ -190,8 +207,11 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> None:
         """Forget every hash (blocks in use keep serving their requests, just no longer shareable)."""
+        while len(self.kept_queue):  # nothing left to keep: reused first, as any block without a hash
+            self.free_queue.appendleft(self.kept_queue.popleft())
         for block in self.cached.values():
             block.block_hash = None
             block.token_ids = None
+            block.kept = False
         self.cached.clear()
         self.evicted_hashes.clear()

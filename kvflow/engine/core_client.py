@@ -51,6 +51,7 @@ class EngineView:
         self.tokenizer = tokenizer
         self.max_model_len = info.max_model_len
         self.kv_capacity_tokens = info.kv_capacity_tokens
+        self.longest_request_tokens = info.longest_request_tokens
         self.runner = SimpleNamespace(kv_element_bytes=info.kv_element_bytes)
         self.eos_token_ids = info.eos_token_ids
         self.step_history = StepHistory()

@@ -39,6 +39,7 @@ class CoreInfo:
     max_model_len: int
     kv_capacity_tokens: int
     kv_element_bytes: float
+    longest_request_tokens: int
     eos_token_ids: list[int]
 
 
@@ -60,7 +61,8 @@ def core_main(conn, config: EngineConfig, attention_backend: str, log_level: int
         conn.send(("load_failed", _picklable(exc)))
         return
     conn.send(("ready", CoreInfo(engine.model_summary, engine.max_model_len, engine.kv_capacity_tokens,
-                                 engine.runner.kv_element_bytes, list(engine.eos_token_ids))))
+                                 engine.runner.kv_element_bytes, engine.longest_request_tokens,
+                                 list(engine.eos_token_ids))))
     try:
         CoreLoop(conn, engine).run()
     finally:

@@ -7,7 +7,8 @@ sent to it (a bounded LRU set). The replica whose set holds the longest run of l
 with no match worth a block, the least loaded one does (running + waiting). An agent's next turn extends its
 last prompt, so it lands where that prompt's blocks are cached. This is SGLang's cache-aware idea made exact
 for the in-process case, where the front end tokenizes as the engine does; across machines, replicas are plain
-`kvflow serve` processes behind sglang-router (README).
+`kvflow serve` processes behind sglang-router (README). A request that names a prompt cache key (OpenAI's
+prompt_cache_key) goes where that key went before, while that replica lives.
 
 A replica that dies fails its own requests (core_client.py) and gets no new ones; the others keep serving.
 """
@@ -32,6 +33,7 @@ from kvflow.sampling_params import SamplingParams
 log = logging.getLogger("kvflow")
 
 MAX_REMEMBERED_BLOCKS = 200_000  # per replica: 16-byte hashes, a few MB; far more than a CPU cache holds
+MAX_REMEMBERED_KEYS = 100_000  # prompt cache keys (sessions) the router sends back where they went
 
 
 class PrefixRouter:
@@ -39,6 +41,7 @@ class PrefixRouter:
         self.block_size = block_size
         self.blocks: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(replicas)]
         self.sent = [0] * replicas  # requests routed to each: ties go to the one sent fewest
+        self.keys: OrderedDict[str, int] = OrderedDict()  # prompt cache key -> its replica (LRU-bounded)
 
     def block_hashes(self, token_ids: Sequence[int]) -> list[int]:
         hashes, parent = [], None
@@ -55,9 +58,18 @@ class PrefixRouter:
             n += 1
         return n
 
-    def pick(self, hashes: list[int], loads: dict[int, int]) -> int:
-        """Among the live replicas (loads' keys), the longest match, then the lightest load."""
-        return max(loads, key=lambda r: (self.matched(r, hashes), -loads[r], -self.sent[r]))
+    def pick(self, hashes: list[int], loads: dict[int, int], key: str | None = None) -> int:
+        """Among the live replicas (loads' keys): the one a prompt cache key went to before, where it is
+        alive; else the longest match, then the lightest load (and the key goes there from now on)."""
+        if key and self.keys.get(key) in loads:
+            self.keys.move_to_end(key)
+            return self.keys[key]
+        chosen = max(loads, key=lambda r: (self.matched(r, hashes), -loads[r], -self.sent[r]))
+        if key:
+            self.keys[key] = chosen
+            while len(self.keys) > MAX_REMEMBERED_KEYS:
+                self.keys.popitem(last=False)
+        return chosen
 
     def remember(self, replica: int, hashes: list[int]) -> None:
         known = self.blocks[replica]
@@ -174,7 +186,7 @@ class DataParallelClient(EngineFrontEnd):
             raise EngineDeadError(f"no replica is running ({self.status})")
         text, ids = await self.prompt_ids(prompt)
         hashes = self.router.block_hashes(ids)
-        chosen = self.router.pick(hashes, loads)
+        chosen = self.router.pick(hashes, loads, params.cache_key)
         self.router.remember(chosen, hashes)
         self.router.sent[chosen] += 1
         return await self.replicas[chosen].submit(text, ids, params, request_id)

@@ -564,6 +564,11 @@ class LLMEngine:
     def kv_capacity_tokens(self) -> int:
         return self.runner.capacity_tokens
 
+    @property
+    def longest_request_tokens(self) -> int:
+        """The most tokens one request can hold in the KV pool (the server fits max_tokens to it)."""
+        return self.scheduler.kv_cache_manager.capacity_tokens(self.config.scheduler.max_num_batched_tokens)
+
 
 def _with_stop_ids(params: SamplingParams, extra: list[int]) -> SamplingParams:
     if not extra:

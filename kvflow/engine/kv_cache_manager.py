@@ -165,10 +165,10 @@ class KVCacheManager:
             return 0
         max_blocks = self.max_hit_blocks(request)
         num_hits = self.longest_hit(request, max_blocks)
-        queue = self.pool.free_queue
         for block_id in reversed(self.hit_block_ids(request, num_hits)):  # its first block ends up last out
             block = self.pool.blocks[block_id]
             if block is not self.null_block and block.ref_cnt == 0:
+                queue = self.pool.queue_of(block)
                 queue.remove(block)
                 queue.append(block)
         if self.tier is not None and not self.window:
@@ -233,6 +233,9 @@ class KVCacheManager:
             tokens = request.all_token_ids[i * bs : (i + 1) * bs]
             if self.pool.cache_full_block(blocks[i], hashes[i], tokens):
                 new.append((blocks[i].block_id, hashes[i], hashes[i - 1] if i else None, tokens))
+        if request.sampling_params.cache_key is not None:  # its prompt's blocks outlast unmarked ones
+            self.pool.keep(b for b in blocks[start:min(num_full, request.num_prompt_tokens // bs)]
+                           if b is not self.null_block)
         self._num_cached_blocks[request.request_id] = num_full
         if new and self.tier is not None:  # their K/V is computed: a copy goes to the disk tier
             self.tier.save(new)

@@ -110,6 +110,10 @@ class MessagesRequest(Lenient):
                 body["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
             if choice.disable_parallel_tool_use:
                 body["parallel_tool_calls"] = False
+        if self._cache_control():  # the prompt's blocks outlast unmarked ones (SamplingParams.cache_key);
+            # Claude Code's metadata.user_id names its session, which data-parallel replicas then route by
+            # ("" marks the prompt without a routing key)
+            body["prompt_cache_key"] = str((self.metadata or {}).get("user_id") or "")
         config = self.output_config or OutputConfig()
         fmt = config.format or self.output_format
         if fmt is not None:
@@ -117,6 +121,13 @@ class MessagesRequest(Lenient):
         if config.effort in ("low", "medium", "high"):  # gpt-oss's template takes it
             body["reasoning_effort"] = config.effort
         return validate_as(ChatCompletionRequest, body)
+
+    def _cache_control(self) -> bool:
+        """Whether any block, system part or tool asks for prompt caching (cache_control)."""
+        parts: list = [*(self.tools or []), *(self.system if isinstance(self.system, list) else [])]
+        for m in self.messages:
+            parts += m.content if isinstance(m.content, list) else []
+        return any((p.model_extra or {}).get("cache_control") is not None for p in parts)
 
     def _messages(self) -> list[dict]:
         system = [_text(self.system, "system")] if self.system else []

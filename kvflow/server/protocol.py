@@ -87,6 +87,9 @@ class SamplingFields(Strict, VllmFields):
     return_hidden_states: bool = False
     # OpenAI fields accepted as metadata, or refused unless neutral (see check_common)
     user: str | None = None
+    # OpenAI's: a name for prompts that share a prefix; their cached blocks outlast unnamed ones (and
+    # data-parallel replicas route by it): SamplingParams.cache_key
+    prompt_cache_key: str | None = None
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     # structured output: OpenAI's response_format, vLLM's structured_outputs and guided_* fields
@@ -138,7 +141,7 @@ class SamplingFields(Strict, VllmFields):
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output or self.no_stop_trim,
             skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias(),
-            logprob_token_ids=self.logprob_token_ids,
+            logprob_token_ids=self.logprob_token_ids, cache_key=self.prompt_cache_key,
         )
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty", "min_tokens"):

@@ -91,7 +91,7 @@ class ResponsesRequest(Lenient):
         if not messages:
             raise bad_request("the input holds no message kvflow can read", "input")
         body: dict[str, Any] = {"messages": messages, "max_tokens": self.max_output_tokens}
-        for name in ("temperature", "top_p", "parallel_tool_calls", "seed"):
+        for name in ("temperature", "top_p", "parallel_tool_calls", "seed", "prompt_cache_key"):
             if getattr(self, name) is not None:
                 body[name] = getattr(self, name)
         book = ToolBook(self.tools)

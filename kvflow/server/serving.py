@@ -251,11 +251,12 @@ async def submit(
     """Add every prompt (one engine request each); all or none: a refused prompt aborts the others. Each is
     tokenized here to fit it into the context (server/context_fit.py): max_tokens clamped to the room left."""
     state.check_capacity(len(prompts))
-    context, strict = state.engine.engine.max_model_len, state.settings.strict_max_tokens
+    engine, strict = state.engine.engine, state.settings.strict_max_tokens
+    pool = getattr(engine, "longest_request_tokens", None)
     fitted = []
     for prompt in prompts:
         _, ids = await state.engine.prompt_ids(prompt)
-        fitted.append((ids, fit_context(len(ids), params, context, strict)))
+        fitted.append((ids, fit_context(len(ids), params, engine.max_model_len, strict, pool)))
     streams: list[RequestStream] = []
     try:
         for i, (ids, prompt_params) in enumerate(fitted):

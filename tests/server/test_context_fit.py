@@ -97,3 +97,37 @@ def test_strict_max_tokens_and_a_context_past_the_trained_length(tiny_model_dir)
         assert_still_serves(server)
     finally:
         server.stop()
+
+
+# The tiny Llama's KV cache in float32: 2 layers x (K, V) x 2 heads x 16 dims x 4 bytes = 512 bytes a token.
+POOL_TOKENS = 1024
+
+
+def test_the_kv_cache_bounds_the_room_too_and_rope_scaling_stretches_the_context(tiny_model_dir):
+    """A cache smaller than the context (--kv-cache-memory): max_tokens is cut to what the cache holds past
+    the prompt, and a prompt the cache cannot hold gets each API's context error naming the cache, not a
+    generic 400 from the scheduler. The same server runs --rope-scaling yarn:2: a context twice the
+    trained one, served without the past-the-trained-length warning."""
+    server = ServerProcess("--model", str(tiny_model_dir), "--kv-cache-memory", f"{POOL_TOKENS * 512}B",
+                           "--dtype", "float32", "--rope-scaling", "yarn:2")
+    try:
+        assert "is above the" not in server.output()
+        listed = httpx.get(f"{server.base_url}/v1/models", timeout=30).json()["data"][0]
+        assert listed["max_model_len"] == 2 * TINY_CONTEXT > POOL_TOKENS
+        client = _openai(server)
+        done = client.completions.create(model=TINY_NAME, prompt=[5] * (POOL_TOKENS - 24), max_tokens=32000,
+                                          extra_body={"ignore_eos": True})
+        # The last sampled token takes no slot: 25 tokens after a prompt 24 short of the pool.
+        assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 25
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=TINY_NAME, prompt=[5] * (POOL_TOKENS + 1), max_tokens=4)
+        assert info.value.code == "context_length_exceeded"
+        assert f"KV cache holds {POOL_TOKENS} tokens" in info.value.message and "--kv-cache-memory" in info.value.message
+        with pytest.raises(anthropic.BadRequestError) as caught:
+            _anthropic(server).messages.create(model=TINY_NAME, max_tokens=8,
+                                               messages=[{"role": "user", "content": "a " * 3000}])
+        m = re.fullmatch(r"prompt is too long: (\d+) tokens > (\d+) maximum", caught.value.body["error"]["message"])
+        assert m is not None and int(m.group(1)) > POOL_TOKENS and int(m.group(2)) == POOL_TOKENS
+        assert_still_serves(server)
+    finally:
+        server.stop()

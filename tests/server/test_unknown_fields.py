@@ -15,11 +15,11 @@ CHAT = {"model": TINY_NAME, "max_tokens": 2, "messages": [{"role": "user", "cont
 CASES = {
     "/v1/chat/completions": (
         {**CHAT, "stream": True, "stream_options": {"include_usage": True, "include_obfuscation": False},
-         "prompt_cache_key": "session-1", "verbosity": "low",
+         "safety_identifier": "user-1", "verbosity": "low",
          "messages": [{"role": "user", "content": "hi", "x_vendor": 1}],
          "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}, "x_new": 1},
                     "x_tool": 2}]},
-        ["prompt_cache_key", "verbosity", "stream_options.include_obfuscation", "messages.*.x_vendor",
+        ["safety_identifier", "verbosity", "stream_options.include_obfuscation", "messages.*.x_vendor",
          "tools.*.function.x_new", "tools.*.x_tool"],
         ("temperature", "hot")),
     "/v1/completions": ({"model": TINY_NAME, "prompt": "hi", "max_tokens": 2, "future_knob": {"a": 1}},
