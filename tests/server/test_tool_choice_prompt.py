@@ -19,7 +19,9 @@ TOOLS = [{"type": "function", "function": {
     "name": "read_file", "description": "Read a file of the repository and return its text.",
     "parameters": {"type": "object", "properties": {"path": {"type": "string", "enum": ["setup.py", "main.py"]}},
                    "required": ["path"], "additionalProperties": False}}},
-    {"type": "function", "function": {"name": "run_tests", "description": "Run the test suite, report failures."}}]
+    {"type": "function", "function": {"name": "run_tests", "description": "Run the test suite, report failures.",
+                                      "parameters": {"type": "object", "properties": {},
+                                                     "additionalProperties": False}}}]
 ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
                     "input_schema": t["function"].get("parameters", {"type": "object"})} for t in TOOLS]
 # Short answers either way (no free strings), so a random tiny model ends them within the budget (the tiny
