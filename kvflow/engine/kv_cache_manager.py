@@ -257,6 +257,8 @@ class KVCacheManager:
         if num_new_blocks + num_free_hits > self.pool.num_free_blocks:
             return False
         self.pool.touch(real_hits)
+        if request.sampling_params.cache_key is not None:  # hits another request cached: kept from now on
+            self.pool.keep(real_hits)
         if self.window and hits:  # a hit's leading null entries count as dropped
             self._num_dropped[rid] = len(hits) - len(real_hits)
         blocks = self.req_blocks.setdefault(rid, [])
