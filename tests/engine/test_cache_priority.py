@@ -66,3 +66,18 @@ def test_a_keyed_prefix_survives_pressure_that_evicts_an_unkeyed_one(tiny_packed
         llm.generate([_prompt(seed)], other)
     again = llm.generate([_prompt(0)], agent)[0]
     assert again.metrics.num_cached_tokens == (PROMPT - 16 if key else 0)
+
+
+def test_data_parallel_routes_a_key_back_to_its_replica():
+    """The router sends a key where it went first, even where another replica matches more of the
+    prompt or is less loaded; unkeyed requests, and a key whose replica died, route as before."""
+    from kvflow.engine.data_parallel import PrefixRouter
+
+    router = PrefixRouter(3, block_size=4)
+    prompt = router.block_hashes(list(range(16)))
+    router.remember(2, prompt)  # replica 2 holds this prompt's blocks
+    assert router.pick([], {0: 5, 1: 0, 2: 5}, key="session-a") == 1  # first time: the lightest
+    assert router.pick(prompt, {0: 0, 1: 9, 2: 0}, key="session-a") == 1  # then always there
+    assert router.pick(prompt, {0: 0, 1: 9, 2: 0}) == 2  # no key: the longest match
+    assert router.pick(prompt, {0: 0, 2: 0}, key="session-a") == 2  # replica 1 is gone: routed afresh
+    assert router.pick([], {0: 0, 1: 0, 2: 0}, key="session-a") == 2
