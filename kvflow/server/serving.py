@@ -23,9 +23,8 @@ from kvflow.engine.async_engine import AsyncEngine, EngineDeadError, RequestStre
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.server.context_fit import fit_context
-from kvflow.server.errors import APIError, bad_request, from_value_error
+from kvflow.server.errors import APIError, bad_request, from_value_error, route_path
 from kvflow.server.metrics import ServerMetrics
-from kvflow.server.middleware import route_path
 from kvflow.server.unknown_fields import unknown_fields
 from kvflow.structured.compiler import GrammarError
 
