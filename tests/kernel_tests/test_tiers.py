@@ -24,8 +24,8 @@ from paged_batch import at_slots, make_paged_batch
 
 from kvflow import SamplingParams
 from kvflow.executors.thresholds import ROW_THRESHOLDS
-from kvflow.kernels import abi, build, cpu_features, packed_matmul, paged_attention
-from kvflow.layers.attention import kv_int8, reference
+from kvflow.kernels import abi, build, cpu_features, kv_int8, packed_matmul, paged_attention
+from kvflow.layers.attention import reference
 from kvflow.layers.quant import quantize_weight
 
 # Every tier's library is built here from the same sources: only a machine without a C++ compiler skips.
