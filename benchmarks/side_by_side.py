@@ -185,7 +185,7 @@ def main() -> None:
     import torch
 
     from kvflow.bench.latency import run_latency
-    from kvflow.bench.probe import run_probe, save_probe
+    from kvflow.machine.probe import run_probe, save_probe
 
     torch.set_num_threads(args.threads)
     gguf = default_gguf()

@@ -20,6 +20,7 @@ import torch
 from kvflow.config import EngineConfig
 from kvflow.distributed import launch as tp_launch
 from kvflow.distributed.step_channel import CacheLayout, Driver
+from kvflow.engine import rank_worker
 from kvflow.engine.detokenizer import NO_DETOKENIZER, IncrementalDetokenizer, add_tokens
 from kvflow.engine.kv_cache_alloc import bytes_per_block
 from kvflow.engine.prefix_store import DiskPrefixStore
@@ -62,7 +63,7 @@ class LLMEngine:
         if loaded is not None and config.model.tensor_parallel_size > 1:
             raise ValueError("tensor parallelism loads each rank's shard itself: pass a model, not loaded_model")
         # The other ranks of a tensor-parallel group (kvflow/distributed), started before this rank loads.
-        self.ranks = tp_launch.start(config.model) if loaded is None else None
+        self.ranks = tp_launch.start(config.model, rank_worker.__name__) if loaded is None else None
         # An engine dropped without close() (a notebook's `LLM(...)` replaced by another) still stops its
         # ranks and leaves the group, when it is collected: the next engine starts from a clean process.
         self._stop_ranks = weakref.finalize(self, self.ranks.stop) if self.ranks is not None else None

@@ -78,7 +78,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvflow.config import engine_config
-    from kvflow.distributed import group, worker
+    from kvflow.distributed import group
+    from kvflow.engine import rank_worker
     from kvflow.engine.async_engine import AsyncEngine, build_off_the_main_thread
     from kvflow.engine.core_client import EngineCoreClient
     from kvflow.engine.data_parallel import DataParallelClient
@@ -91,7 +92,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.getLogger("kvflow").setLevel(logging.INFO if args.verbose else args.log_level.upper())
     options = engine_config(**engine_options(args))
     if group.launched_by_torchrun() and int(os.environ["RANK"]) != 0:  # rank 0 serves; the others run its steps
-        return worker.torchrun_main(options.model)
+        return rank_worker.torchrun_main(options.model)
     if args.data_parallel_size > 1:
         if group.launched_by_torchrun():
             raise SystemExit("kvflow serve: --data-parallel-size runs its replicas on this machine; across "
