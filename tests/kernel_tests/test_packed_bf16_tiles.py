@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvflow.kernels import cpu_features, packed_matmul
+from kvflow.kernels import cpu_features, packed_matmul, packed_weight
 
 from .test_packed_matmul import LAYOUTS, codes, pack
 
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not packed_matmul.available() or cpu_features.is
                                 reason="AMX bfloat16 tiles: the amx tier's library only")
 
 
-def bf16_copy(pw: packed_matmul.PackedWeight) -> torch.Tensor:
+def bf16_copy(pw: packed_weight.PackedWeight) -> torch.Tensor:
     """What cache_dense_bf16 holds: the exact dequantized weights rounded to bfloat16."""
     return packed_matmul.rows(pw, torch.arange(pw.n)).to(torch.bfloat16)
 

@@ -24,7 +24,7 @@ from paged_batch import at_slots, make_paged_batch
 
 from kvflow import SamplingParams
 from kvflow.executors.thresholds import ROW_THRESHOLDS
-from kvflow.kernels import abi, build, cpu_features, kv_int8, packed_matmul, paged_attention
+from kvflow.kernels import abi, build, cpu_features, kv_int8, packed_matmul, packed_weight, paged_attention
 from kvflow.layers.attention import reference
 from kvflow.layers.quant import quantize_weight
 
@@ -94,9 +94,9 @@ def test_packed_matmul_is_bitwise_equal_on_every_fused_tier(bits, codebook, n, k
     bq.scale = bq.scale.half().float()
     bq.offset = bq.offset.half().float() if bits == 4 else -128.0 * bq.scale
     if codebook:  # random entries of the codebook (IQ4_NL's, MXFP4's), held as 4-bit indices
-        q = packed_matmul.CODEBOOKS[codebook][torch.randint(0, 16, (n, k), generator=g)]
+        q = packed_weight.CODEBOOKS[codebook][torch.randint(0, 16, (n, k), generator=g)]
         bq.offset = -128.0 * bq.scale
-    pw = packed_matmul.pack(q, bq.scale, bq.offset, bq.group_size, 8 if codebook else bits, 128 if codebook else 0,
+    pw = packed_weight.pack(q, bq.scale, bq.offset, bq.group_size, 8 if codebook else bits, 128 if codebook else 0,
                             codebook)
     assert pw.bits == bits
     # What any block's terms and partial sums can reach: |x| times |code x scale| + |offset|, summed
@@ -121,7 +121,7 @@ def test_packed_matmul_is_bitwise_equal_on_every_fused_tier(bits, codebook, n, k
 
 def test_input_widths_other_than_8_and_16_bits_are_refused_on_every_tier():
     bq = quantize_weight(torch.randn(64, 64) * 0.1, "int4", 32)
-    pw = packed_matmul.pack(bq.q, bq.scale.half().float(), bq.offset.half().float(), bq.group_size, bq.bits)
+    pw = packed_weight.pack(bq.q, bq.scale.half().float(), bq.offset.half().float(), bq.group_size, bq.bits)
     x, y = torch.randn(2, 64), torch.full((2, 64), 7.0)
     for tier in TIERS:
         for input_bits in (0, 4, 12, 32):
