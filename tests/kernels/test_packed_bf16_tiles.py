@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_packed_matmul import LAYOUTS, codes, pack  # tests/kernels is no package
 
 from kvflow.kernels import cpu_features, packed_matmul, packed_weight
-
-from .test_packed_matmul import LAYOUTS, codes, pack
 
 pytestmark = pytest.mark.skipif(not packed_matmul.available() or cpu_features.isa_tier() != "amx",
                                 reason="AMX bfloat16 tiles: the amx tier's library only")
