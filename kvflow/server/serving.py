@@ -152,9 +152,12 @@ async def parse_body(request: Request, model: type[M]) -> M:
 
 
 def _note_unknown_fields(request: Request, body: BaseModel) -> None:
+    names = unknown_fields(body)
+    if not names:
+        return
     state = get_state(request)
     route = route_path(request.scope)
-    for name in unknown_fields(body):
+    for name in names:
         if state.metrics.count_ignored_field(route, name):
             log.debug("ignoring the field %r on %s (kvflow does not know it)", name, route)
 
