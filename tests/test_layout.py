@@ -49,3 +49,10 @@ def test_no_test_module_shares_a_name_transformers_probes_for() -> None:
     assert "kernels" in probed, "transformers no longer probes by is_<name>_available: rewrite this check"
     clashes = sorted(set(_top_level_names()) & probed)
     assert not clashes, f"transformers probes for these names and would find the test modules: {clashes}"
+
+
+def test_only_packages_have_a_conftest_below_the_top() -> None:
+    # A conftest.py in a plain folder is imported as `conftest`, hiding tests/conftest.py from the tests that
+    # import its helpers (`from conftest import default_gguf_path`).
+    plain = [p for p in TESTS.rglob("conftest.py") if p.parent != TESTS and not (p.parent / "__init__.py").exists()]
+    assert not plain, plain
