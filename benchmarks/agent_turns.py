@@ -10,13 +10,14 @@ request by request as the client sent it, on the client's own API (llama-server 
 request, then the follow-ups that append to it (the client's tool result, the next user message). Both
 servers get the same bodies: the captured answers, not the replaying server's, are the ones appended, so
 turn k's prompt is the same on both. Each body is streamed with at most --max-tokens of answer, and TTFT is
-the time to the first answer or tool-call token (to the response's end when none came, marked `*`).
+the time to the first answer or tool-call token (to the response's end when none came, marked `*`). A short
+request on each API first warms both servers up (not counted).
 
 Both servers run side by side, each started once with the same context (--ctx) and --threads, and take
 turns per session (kvflow first in even repeats for even sessions, llama-server first otherwise). Before
 each replay of a session a fresh nonce starts its system prompt, and llama-server's one slot is erased (it
 runs with --parallel 1 --cache-reuse 256 and --cache-ram 0, so nothing from an earlier replay is restored
-into it), so turn 1 prefills everything on both servers and later turns reuse only what this replay left.
+into it; --slot-save-path only enables the erase), so turn 1 prefills everything on both servers and later turns reuse only what this replay left.
 
 Per request: prompt tokens, the share served from cache (kvflow's usage `cached_tokens` or
 `cache_read_input_tokens`; llama-server's `timings.cache_n` of cache_n + prompt_n), the prefill rate (new
@@ -42,6 +43,7 @@ from pathlib import Path
 
 import httpx
 from agent_sessions.sessions import API_PATH, chain, is_first_token, load, prefill_counts, replay_body
+from agent_sessions.sessions import HERE as CAPTURES
 from results_file import publish, table_section
 from side_by_side import LLAMACPP_VENV, free_port, wait_healthy
 
@@ -51,13 +53,13 @@ LLAMA = "llama-server"
 KVFLOW = "kvflow"
 
 
-def server_commands(gguf: Path, threads: int, ctx: int) -> dict[str, list[str]]:
+def server_commands(gguf: Path, threads: int, ctx: int, scratch: Path) -> dict[str, list[str]]:
     return {
         KVFLOW: [sys.executable, "-m", "kvflow", "serve", "--model", str(gguf), "--threads", str(threads),
                  "--max-model-len", str(ctx), "--host", "127.0.0.1"],
         LLAMA: [str(LLAMACPP_VENV / "bin" / "llama-server"), "--model", str(gguf), "--threads", str(threads),
                 "--threads-batch", str(threads), "--ctx-size", str(ctx), "--parallel", "1", "--cache-reuse", "256",
-                "--cache-ram", "0", "--host", "127.0.0.1"],
+                "--cache-ram", "0", "--slot-save-path", str(scratch), "--host", "127.0.0.1"],
     }
 
 
@@ -110,12 +112,19 @@ def send(server: Server, path: str, body: dict, timeout: float) -> dict:
             "prompt_tokens": prompt, "cached_tokens": cached}
 
 
-def replay(servers: dict[str, Server], sessions: list[str], repeats: int, max_tokens: int,
+WARM_UP = {"chat": {"messages": [{"role": "user", "content": "Hello"}]}, "responses": {"input": "Hello"},
+           "messages": {"messages": [{"role": "user", "content": "Hello"}]}}
+
+
+def replay(servers: dict[str, Server], sessions: list[str], folder: Path, repeats: int, max_tokens: int,
            timeout: float) -> dict:
     results: dict = {}
+    for api in sorted({load(client, folder)["api"] for client in sessions}):  # first-request costs, not counted
+        for server in servers.values():
+            send(server, API_PATH[api], replay_body(WARM_UP[api], api, server.model, 4), timeout)
     for repeat in range(repeats):
         for index, client in enumerate(sessions):
-            session = load(client)
+            session = load(client, folder)
             api, requests = session["api"], chain(session)
             entry = results.setdefault(client, {"api": api, "requests": [
                 {"turn": r["turn"], "kind": r["kind"], KVFLOW: [], LLAMA: []} for r in requests]})
@@ -181,9 +190,9 @@ def run_sessions(args) -> None:
     servers: dict[str, Server] = {}
     with tempfile.TemporaryDirectory(prefix="agent-turns-") as tmp:
         try:
-            for label, command in server_commands(args.gguf, args.threads, args.ctx).items():
+            for label, command in server_commands(args.gguf, args.threads, args.ctx, Path(tmp)).items():
                 servers[label] = Server(label, command, Path(tmp))
-            results = replay(servers, sessions, args.repeats, args.max_tokens, args.timeout)
+            results = replay(servers, sessions, args.captures, args.repeats, args.max_tokens, args.timeout)
         finally:
             for server in servers.values():
                 server.stop()
@@ -210,7 +219,7 @@ def run_synthetic(args) -> None:
     ctx = args.system_len + args.turns * (args.user_len + args.output_len) + 2048
     turns = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for label, command in server_commands(args.gguf, args.threads, ctx).items():
+        for label, command in server_commands(args.gguf, args.threads, ctx, Path(tmp)).items():
             port = free_port()
             proc = subprocess.Popen([*command, "--port", str(port)], stdout=subprocess.DEVNULL,
                                     stderr=subprocess.DEVNULL)
@@ -248,6 +257,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--record", action="store_true")
     ap.add_argument("--sessions", default="qwen,claude,codex,openclaw", help="captured clients, in order")
+    ap.add_argument("--captures", type=Path, default=CAPTURES, help="the folder of <client>.json captures")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--ctx", type=int, default=32768, help="both servers' context")
     ap.add_argument("--max-tokens", type=int, default=16)

@@ -36,6 +36,7 @@ REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(HERE))
 
+import agent_clis.clients  # noqa: E402
 from agent_clis.clients import OUTPUT_TOKENS, make_session  # noqa: E402
 from agent_clis.proxy import AgentProxy  # noqa: E402
 from agent_clis.steer import steer_to  # noqa: E402
@@ -135,7 +136,9 @@ def main() -> None:
                     "(default: install_clients.sh's, installed on first use; $KVFLOW_AGENTS_NPM/bin to reuse one)")
     ap.add_argument("--base-url", help="a running kvflow server (default: one started here)")
     ap.add_argument("--out-dir", type=Path, default=HERE)
+    ap.add_argument("--turn-timeout", type=float, default=1800, help="seconds a client's turn may take")
     args = ap.parse_args()
+    agent_clis.clients.TURN_TIMEOUT_S = args.turn_timeout  # full prompts on a loaded machine take their time
     agent_bin = args.agent_bin or (Path(os.environ["KVFLOW_AGENTS_NPM"]) / "bin"
                                    if os.environ.get("KVFLOW_AGENTS_NPM") else agent_bin_dir(None))
     server = None if args.base_url else ServerProcess("--max-model-len", "32768", "--kv-cache-memory", "1GiB")
