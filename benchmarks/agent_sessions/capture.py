@@ -64,7 +64,8 @@ def bound_answers(client: str, home: Path) -> None:
 
 
 def scrub(node, replacements: list[tuple[str, str]]):
-    """The JSON with the run's paths replaced, and Claude Code's per-install user id fixed."""
+    """The JSON with the run's paths replaced, Claude Code's per-install user id fixed and Codex's
+    client_metadata left out (none of them is part of the prompt)."""
     if isinstance(node, str):
         for old, new in replacements:
             node = node.replace(old, new)
@@ -72,7 +73,8 @@ def scrub(node, replacements: list[tuple[str, str]]):
     if isinstance(node, list):
         return [scrub(item, replacements) for item in node]
     if isinstance(node, dict):
-        out = {key: scrub(value, replacements) for key, value in node.items()}
+        out = {key: scrub(value, replacements) for key, value in node.items()
+               if key != "client_metadata"}  # Codex's ids of the run (installation, session, turn)
         if isinstance(out.get("metadata"), dict) and "user_id" in out["metadata"]:
             out["metadata"] = {**out["metadata"], "user_id": "user"}
         return out
@@ -110,6 +112,7 @@ def capture(client: str, base_url: str, agent_bin: Path) -> dict:
         finally:
             proxy.stop()
         replacements = [(str(session.work), "/home/user/project"), (str(session.home), "/home/user"),
+                        (str(session.work).replace("/", "-"), "-home-user-project"),  # Claude Code's project folder
                         (str(root), "/home/user"), (proxy.base_url, "http://127.0.0.1:8000")]
         bodies = [scrub(originals.get(e.request_id, e.body), replacements) for e in exchanges]
     api = CLIENT_API[client]

@@ -30,9 +30,15 @@ def system_text(body: dict, api: str) -> str:
     if api == "chat":
         return "".join(_text(m.get("content")) for m in body.get("messages") or []
                        if m.get("role") in ("system", "developer"))
-    if api == "responses":
-        return _text(body.get("instructions"))
+    if api == "responses":  # Codex sends its instructions as developer messages at the input's start
+        return _text(body.get("instructions")) + "".join(_text(m.get("content")) for m in _system_items(body))
     return _text(body.get("system"))
+
+
+def _system_items(body: dict) -> list[dict]:
+    given = body.get("input")
+    return [i for i in given if isinstance(i, dict) and i.get("role") in ("system", "developer")] \
+        if isinstance(given, list) else []
 
 
 def tool_names(body: dict, api: str) -> list[str]:
@@ -50,7 +56,7 @@ def tool_names(body: dict, api: str) -> list[str]:
 def conversation(body: dict, api: str) -> list:
     if api == "responses":
         given = body.get("input")
-        return given if isinstance(given, list) else [given]
+        return [i for i in given if i not in _system_items(body)] if isinstance(given, list) else [given]
     return [m for m in body.get("messages") or [] if m.get("role") not in ("system", "developer")]
 
 
@@ -71,14 +77,14 @@ def last_kind(body: dict, api: str) -> str:
 
 def chain_kinds(bodies: list[dict], api: str) -> list[str]:
     """Each request's kind: "first", "tool result" or "user" on the session's chain (the requests with the
-    system prompt and tools of the longest conversation), "side" off it."""
-    if not bodies:
+    system prompt and tools most of them share, the earliest such on a tie), "side" off it."""
+    keys = [json.dumps([system_text(body, api), tool_names(body, api)]) for body in bodies]
+    if not keys:
         return []
-    longest = max(bodies, key=lambda b: len(conversation(b, api)))
-    key = (system_text(longest, api), tool_names(longest, api))
+    key = max(keys, key=lambda k: (keys.count(k), -keys.index(k)))
     kinds, seen = [], False
-    for body in bodies:
-        if (system_text(body, api), tool_names(body, api)) != key:
+    for body, own in zip(bodies, keys, strict=True):
+        if own != key:
             kinds.append("side")
         else:
             kinds.append(last_kind(body, api) if seen else "first")
@@ -120,7 +126,8 @@ def replay_body(body: dict, api: str, model: str, max_tokens: int, nonce: str = 
         out["stream_options"] = {"include_usage": True}
     if nonce:
         if api == "responses":
-            placed = _prefix_text(out, "instructions", nonce)
+            placed = _prefix_text(out, "instructions", nonce) or any(
+                _prefix_text(m, "content", nonce) for m in _system_items(out))
         elif api == "messages":
             placed = _prefix_text(out, "system", nonce)
         else:
