@@ -41,12 +41,10 @@ from agent_clis.clients import OUTPUT_TOKENS, make_session  # noqa: E402
 from agent_clis.proxy import AgentProxy  # noqa: E402
 from agent_clis.steer import steer_to  # noqa: E402
 from server.server_process import ServerProcess  # noqa: E402
-from sessions import CLIENT_API, chain_kinds  # noqa: E402
+from sessions import CLIENT_API, TURN_1, TURN_2, chain_kinds  # noqa: E402
 
 from kvflow.launch import _merge_json  # noqa: E402
 
-TURN_1 = "Read the file notes.txt with your tool and say what it holds."
-TURN_2 = "Thank you. Now explain in two sentences what that marker could be used for."
 SHORT_ANSWER = {"type": "string", "maxLength": 24}
 
 

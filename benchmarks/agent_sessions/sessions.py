@@ -15,6 +15,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 CLIENT_API = {"codex": "responses", "claude": "messages", "qwen": "chat", "openclaw": "chat"}
+TURN_1 = "Read the file notes.txt with your tool and say what it holds."
+TURN_2 = "Thank you. Now explain in two sentences what that marker could be used for."
+ANSWER = "notes.txt holds one line: kvflow-marker-7311."
 API_PATH = {"chat": "/v1/chat/completions", "responses": "/v1/responses", "messages": "/v1/messages"}
 
 
@@ -60,19 +63,33 @@ def conversation(body: dict, api: str) -> list:
     return [m for m in body.get("messages") or [] if m.get("role") not in ("system", "developer")]
 
 
-def last_kind(body: dict, api: str) -> str:
-    """What the request adds at its end: "tool result" or "user"."""
-    items = conversation(body, api)
-    last = items[-1] if items else {}
-    if not isinstance(last, dict):
-        return "user"
-    if api == "chat":
-        return "tool result" if last.get("role") == "tool" else "user"
+def _is_answer(item, api: str) -> bool:
+    if not isinstance(item, dict):
+        return False
     if api == "responses":
-        return "tool result" if str(last.get("type", "")).endswith("_call_output") else "user"
-    content = last.get("content")
-    blocks = content if isinstance(content, list) else []
-    return "tool result" if any(isinstance(b, dict) and b.get("type") == "tool_result" for b in blocks) else "user"
+        return item.get("role") == "assistant" or str(item.get("type", "")).endswith("_call") or \
+            item.get("type") == "reasoning"
+    return item.get("role") == "assistant"
+
+
+def _is_tool_result(item, api: str) -> bool:
+    if not isinstance(item, dict):
+        return False
+    if api == "chat":
+        return item.get("role") == "tool"
+    if api == "responses":
+        return str(item.get("type", "")).endswith("_call_output")
+    content = item.get("content")
+    return isinstance(content, list) and any(isinstance(b, dict) and b.get("type") == "tool_result" for b in content)
+
+
+def last_kind(body: dict, api: str) -> str:
+    """What the request adds after the last answer: "tool result" when it sends one back (OpenClaw follows it
+    with a context message of its own), else "user"."""
+    items = conversation(body, api)
+    answers = [i for i, item in enumerate(items) if _is_answer(item, api)]
+    tail = items[answers[-1] + 1:] if answers else items
+    return "tool result" if any(_is_tool_result(item, api) for item in tail) else "user"
 
 
 def chain_kinds(bodies: list[dict], api: str) -> list[str]:
@@ -97,8 +114,28 @@ def load(client: str, folder: Path = HERE) -> dict:
 
 
 def chain(session: dict) -> list[dict]:
-    """The session's requests on its chain, in order (each {"turn", "kind", "body"})."""
-    return [r for r in session["requests"] if r["kind"] != "side"]
+    """The session's requests on its chain, in order (each {"turn", "kind", "body"}); a session captured with
+    one turn only gets a second, synthesized as the clients make theirs (kind "user (synthesized)")."""
+    found = [r for r in session["requests"] if r["kind"] != "side"]
+    if found and found[-1]["turn"] == 1:
+        found.append({"turn": 2, "kind": "user (synthesized)", "body": follow_up(found[-1]["body"], session["api"])})
+    return found
+
+
+def follow_up(body: dict, api: str, answer: str = ANSWER, question: str = TURN_2) -> dict:
+    """The body with the model's answer and the user's next message appended, in the API's shapes."""
+    out = copy.deepcopy(body)
+    if api == "chat":
+        out["messages"] += [{"role": "assistant", "content": answer}, {"role": "user", "content": question}]
+    elif api == "messages":
+        out["messages"] += [{"role": "assistant", "content": [{"type": "text", "text": answer}]},
+                            {"role": "user", "content": [{"type": "text", "text": question}]}]
+    else:
+        given = out["input"] if isinstance(out.get("input"), list) else [
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": out.get("input") or ""}]}]
+        out["input"] = [*given, {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": answer}]},
+                        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": question}]}]
+    return out
 
 
 def _prefix_text(holder: dict, key: str, prefix: str) -> bool:

@@ -41,7 +41,7 @@ def test_a_capture_is_a_growing_chain_on_its_clients_api(path: Path):
     chain = sessions.chain(session)
     assert len(chain) >= 2, "a session needs its first request and a follow-up"
     assert chain[0]["kind"] == "first" and chain[0]["turn"] == 1 and chain[-1]["turn"] == 2
-    assert all(r["kind"] in ("tool result", "user") for r in chain[1:])
+    assert all(r["kind"] in ("tool result", "user", "user (synthesized)") for r in chain[1:])
     for before, after in zip(chain, chain[1:], strict=False):
         old, new = (sessions.conversation(r["body"], api) for r in (before, after))
         assert len(new) > len(old), "a follow-up appends to the conversation"
@@ -113,3 +113,18 @@ def test_the_table_has_medians_and_the_ratio():
     assert "90%" in rows[1] and "500: no" in rows[1] and rows[1].endswith("| - |")
     assert len(agent_turns.COLUMNS) == rows[0].count("|") - 1
     assert "First request: 0.40x" in agent_turns.goal_line(entry) and "follow-ups: -" in agent_turns.goal_line(entry)
+
+
+@pytest.mark.parametrize("api", ["chat", "messages", "responses"])
+def test_a_one_turn_session_gets_a_synthesized_second_turn(api):
+    first = {"chat": {"messages": [{"role": "system", "content": "agent"}, {"role": "user", "content": "hi"}]},
+             "messages": {"system": "agent", "messages": [{"role": "user", "content": "hi"}]},
+             "responses": {"instructions": "agent", "input": [{"type": "message", "role": "user",
+                                                                "content": [{"type": "input_text", "text": "hi"}]}]}}[api]
+    session = {"api": api, "requests": [{"turn": 1, "kind": "first", "body": first}]}
+    chain = sessions.chain(session)
+    assert [r["kind"] for r in chain] == ["first", "user (synthesized)"] and chain[1]["turn"] == 2
+    old, new = (sessions.conversation(r["body"], api) for r in chain)
+    assert new[:len(old)] == old and len(new) == len(old) + 2
+    assert sessions.TURN_2 in json.dumps(new[-1]) and sessions.last_kind(chain[1]["body"], api) == "user"
+    assert len(sessions.conversation(first, api)) == 1, "the captured body is left as it was"
