@@ -1,7 +1,7 @@
 """Real coding-agent sessions replayed against `kvflow serve` and llama.cpp's `llama-server`: TTFT per turn.
 
     python benchmarks/agent_turns.py --gguf FILE [--sessions qwen,claude,codex,openclaw] [--repeats 3]
-        [--threads 2] [--ctx 32768] [--max-tokens 16] [--out agent_turns.json] [--record]
+        [--threads 2] [--ctx 32768] [--max-tokens 16] [--same-tokens] [--out agent_turns.json] [--record]
 
 The sessions are the real clients' requests, captured by benchmarks/agent_sessions/capture.py into
 benchmarks/agent_sessions/<client>.json: Qwen Code and OpenClaw on chat completions, Claude Code on
@@ -17,15 +17,20 @@ Both servers run side by side, each started once with the same context (--ctx) a
 turns per session (kvflow first in even repeats for even sessions, llama-server first otherwise). Before
 each replay of a session a fresh nonce starts its system prompt, and llama-server's one slot is erased (it
 runs with --parallel 1 --cache-reuse 256 and --cache-ram 0, so nothing from an earlier replay is restored
-into it; --slot-save-path only enables the erase), so turn 1 prefills everything on both servers and later turns reuse only what this replay left.
+into it; --slot-save-path only enables the erase), so turn 1 prefills everything on both servers and later
+turns reuse only what this replay left.
 
 Per request: prompt tokens, the share served from cache (kvflow's usage `cached_tokens` or
 `cache_read_input_tokens`; llama-server's `timings.cache_n` of cache_n + prompt_n), the prefill rate (new
 tokens / TTFT) and kvflow's TTFT over llama-server's; medians over --repeats.
-The GGUF's chat template must render tools, and its training context hold the longest prompt: llama-server
-caps its context at the model's training context, and a template without tools (SmolLM2's) has it leave the
-tools out where kvflow renders them (the table says so when the first prompts differ by over 10%). The
-32K shape benchmarks/long_context.py writes (Qwen2.5's template) does both.
+
+The same body is the same prompt only when both servers render it alike: llama-server caps its context at
+the model's training context, and under a chat template without tools (SmolLM2's, which the 32K shape
+benchmarks/long_context.py writes also carries) it leaves the tools out where kvflow describes them in the
+system prompt (the table says so when the first prompts differ by over 10%). `--same-tokens` sends the chat
+sessions (Qwen Code, OpenClaw) as token ids instead: kvflow's /tokenize renders each body (messages and
+tools, as its /v1/chat/completions does) and both servers get those ids on /v1/completions, so the prompts
+are the same to the token whatever the template (the API layer is skipped; other sessions stay native).
 Goal (issue 52), on the 16K-token Qwen Code session: turn 1 at <= 0.4x llama-server's TTFT, later turns
 at <= 0.15x.
 
@@ -120,26 +125,39 @@ WARM_UP = {"chat": {"messages": [{"role": "user", "content": "Hello"}]}, "respon
            "messages": {"messages": [{"role": "user", "content": "Hello"}]}}
 
 
+def as_tokens(kvflow: Server, body: dict) -> list[int]:
+    """kvflow's own prompt for a chat body (its /tokenize renders messages and tools as /v1/chat/completions does)."""
+    got = httpx.post(kvflow.url + "/tokenize", json={"model": kvflow.model, "messages": body["messages"],
+                                                    "tools": body.get("tools")}, timeout=600)
+    got.raise_for_status()
+    return got.json()["tokens"]
+
+
 def replay(servers: dict[str, Server], sessions: list[str], folder: Path, repeats: int, max_tokens: int,
-           timeout: float) -> dict:
+           timeout: float, same_tokens: bool = False) -> dict:
     results: dict = {}
-    for api in sorted({load(client, folder)["api"] for client in sessions}):  # first-request costs, not counted
-        for server in servers.values():
+    for api in sorted({load(client, folder)["api"] for client in sessions} | ({"chat"} if same_tokens else set())):
+        for server in servers.values():  # first-request costs, not counted
             send(server, API_PATH[api], replay_body(WARM_UP[api], api, server.model, 4), timeout)
     for repeat in range(repeats):
         for index, client in enumerate(sessions):
             session = load(client, folder)
             api, requests = session["api"], chain(session)
-            entry = results.setdefault(client, {"api": api, "requests": [
+            tokens = same_tokens and api == "chat"
+            entry = results.setdefault(client, {"api": "chat as kvflow's tokens" if tokens else api, "requests": [
                 {"turn": r["turn"], "kind": r["kind"], KVFLOW: [], LLAMA: []} for r in requests]})
             nonce = f"[session {uuid.uuid4().hex[:8]}] "
+            bodies = [replay_body(r["body"], api, servers[KVFLOW].model, max_tokens, nonce) for r in requests]
+            prompts = [as_tokens(servers[KVFLOW], body) for body in bodies] if tokens else []
             order = [KVFLOW, LLAMA] if (repeat + index) % 2 == 0 else [LLAMA, KVFLOW]
             for label in order:
                 server = servers[label]
                 server.forget()
-                for number, request in enumerate(requests):
-                    body = replay_body(request["body"], api, server.model, max_tokens, nonce)
-                    got = send(server, API_PATH[api], body, timeout)
+                for number, body in enumerate(bodies):
+                    path = "/v1/completions" if tokens else API_PATH[api]
+                    body = ({"prompt": prompts[number], "max_tokens": max_tokens, "stream": True,
+                             "stream_options": {"include_usage": True}} if tokens else body)
+                    got = send(server, path, {**body, "model": server.model}, timeout)
                     entry["requests"][number][label].append(got)
                     print(f"{client} repeat {repeat + 1} {label} request {number + 1}: {got}", file=sys.stderr)
     return results
@@ -211,7 +229,8 @@ def run_sessions(args) -> None:
         try:
             for label, command in server_commands(args.gguf, args.threads, args.ctx, Path(tmp)).items():
                 servers[label] = Server(label, command, Path(tmp))
-            results = replay(servers, sessions, args.captures, args.repeats, args.max_tokens, args.timeout)
+            results = replay(servers, sessions, args.captures, args.repeats, args.max_tokens, args.timeout,
+                             args.same_tokens)
         finally:
             for server in servers.values():
                 server.stop()
@@ -282,6 +301,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per request")
     ap.add_argument("--out", type=Path, help="also write every run's figures here (JSON)")
+    ap.add_argument("--same-tokens", action="store_true",
+                    help="chat sessions as kvflow's prompt tokens to both servers' /v1/completions")
     ap.add_argument("--synthetic", action="store_true", help="issue 21's synthetic conversation instead")
     ap.add_argument("--system-len", type=int, default=20000)
     ap.add_argument("--user-len", type=int, default=300)

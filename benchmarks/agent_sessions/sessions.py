@@ -184,9 +184,9 @@ def is_first_token(event: dict) -> bool:
         return True
     if kind == "content_block_start":
         return (event.get("content_block") or {}).get("type") in ("tool_use", "server_tool_use")
-    for choice in event.get("choices") or []:  # chat completions
+    for choice in event.get("choices") or []:  # chat completions (and completions: "text")
         delta = choice.get("delta") or {}
-        if delta.get("content") or delta.get("tool_calls") or delta.get("reasoning_content"):
+        if delta.get("content") or delta.get("tool_calls") or delta.get("reasoning_content") or choice.get("text"):
             return True
     return False
 
