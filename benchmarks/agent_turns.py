@@ -79,7 +79,11 @@ class Server:
         self.url = f"http://127.0.0.1:{port}"
         self.log = (log_dir / f"{label}.log").open("w")
         self.proc = subprocess.Popen([*command, "--port", str(port)], stdout=self.log, stderr=subprocess.STDOUT)
-        wait_healthy(self.url + "/health", self.proc, timeout=900)
+        try:
+            wait_healthy(self.url + "/health", self.proc, timeout=900)
+        except (RuntimeError, TimeoutError):
+            self.stop()
+            raise
         self.model = httpx.get(self.url + "/v1/models", timeout=30).json()["data"][0]["id"]
 
     def forget(self) -> None:
@@ -98,6 +102,13 @@ class Server:
 
 def send(server: Server, path: str, body: dict, timeout: float) -> dict:
     """One streamed request: TTFT (ms), whether a first token came, prompt and cached tokens, or an error."""
+    try:
+        return _send(server, path, body, timeout)
+    except httpx.HTTPError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _send(server: Server, path: str, body: dict, timeout: float) -> dict:
     payload = json.dumps(body).encode()
     events: list[dict] = []
     first = None
