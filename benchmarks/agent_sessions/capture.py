@@ -20,7 +20,7 @@ run's temporary paths replaced, into benchmarks/agent_sessions/<client>.json:
 
 Captured 2026-12-06 on 2 loaded cores (SmolLM2-135M, --max-model-len 32768): Qwen Code (3 chain requests and
 its memory-extraction side request), Claude Code and Codex (3 each: first, tool result, turn 2). OpenClaw's
-turn 2 failed with its own "worker task timed out" twice on the loaded machine, so openclaw.json holds turn 1
+turn 2 failed with its own "worker task timed out" on the loaded machine, so openclaw.json holds turn 1
 only (first, tool result) and the replay synthesizes turn 2 (sessions.chain); rerun
 `--clients openclaw` on an idle machine to replace it.
 """
