@@ -8,6 +8,7 @@ opens benchmarks/RESULTS.md (between its `current figures` markers).
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from pathlib import Path
 
@@ -42,6 +43,13 @@ def save(summary: dict) -> Path:
     return path
 
 
+def commit_measured() -> dict:
+    """{"commit": HEAD, "dirty": whether kvflow/ had uncommitted changes}: benchmarks/stale_tiers.py reads it."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=HERE.parent, capture_output=True, text=True).stdout.strip()
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--", "kvflow"))}
+
+
 def load_all() -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(CURRENT.glob("*.json"))]
 
@@ -55,7 +63,7 @@ def table(summaries: list[dict]) -> str:
         tier_note = s["tier"] if s["tier"] == s["machine_tier"] else f"{s['tier']} (forced; the CPU's own is {s['machine_tier']})"
         lines += [f"### Tier {tier_note}: {s['cpu']}, {s['date']}", "",
                   f"Flags: {' '.join(f for f in TIER_FLAGS if f in s['flags']) or 'none of note'}. "
-                  f"Peer: llama.cpp from `{s['peer']}`. Decode at batch 1: {100 * s['tg128_roofline']:.0f}% of "
+                  f"Peer: llama.cpp from `{s['peer']}`. {measured_at(s)}Decode at batch 1: {100 * s['tg128_roofline']:.0f}% of "
                   "its roofline.", "",
                   "| figure | kvflow | llama.cpp | ratio | goal |", "|---|---|---|---|---|"]
         for key, label, higher, goal in FIGURES:
@@ -71,6 +79,12 @@ def table(summaries: list[dict]) -> str:
         lines.append("")
     lines.append("![kvflow / llama.cpp per tier](current/ratios.png)")
     return "\n".join(lines)
+
+
+def measured_at(s: dict) -> str:
+    if not s.get("commit"):
+        return "Commit not recorded. "
+    return f"Commit {s['commit'][:10]}{' with uncommitted changes' if s.get('dirty') else ''}. "
 
 
 def ratios_table(summaries: list[dict]) -> str:

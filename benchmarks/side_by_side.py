@@ -180,6 +180,7 @@ def main() -> None:
     ap.add_argument("--skip-serve", action="store_true")
     ap.add_argument("--record", action="store_true", help="append the tables to benchmarks/RESULTS.md")
     args = ap.parse_args()
+    measured_at = current_figures.commit_measured()  # the code as it was when the run started
 
     import torch
 
@@ -295,6 +296,7 @@ def main() -> None:
             "tier": cpu_features.isa_tier(), "machine_tier": cpu_features.machine_tier(), "cpu": cpu_features.cpu_name(),
             "flags": sorted(cpu_features.cpu_flags() & set(current_figures.TIER_FLAGS)),
             "date": time.strftime("%Y-%m-%d %H:%M"), "peer": LLAMACPP_VENV.name, "threads": args.threads,
+            **measured_at,
             "figures": {k: {"kvflow": a, "llama.cpp": b} for k, (a, b) in figures.items()},
             "tg128_roofline": tg["fraction_of_roofline"]})
         current_figures.refresh()

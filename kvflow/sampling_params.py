@@ -24,6 +24,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: the chosen token's logprob plus the top k alternatives
+    # vLLM's: with logprobs, these tokens' logprobs at each position instead of the top k (label scoring)
+    logprob_token_ids: list[int] | None = None
     # The same for every prompt token after the first (what the model thought of the prompt: scoring,
     # perplexity). The prompt is then computed in full, never read from the prefix cache.
     prompt_logprobs: int | None = None
@@ -80,6 +82,13 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= 20):
                 raise bad(name, "must be an integer in [0, 20]")
+        if self.logprob_token_ids is not None:
+            ids = self.logprob_token_ids
+            if not isinstance(ids, list) or not ids or any(not isinstance(t, int) or isinstance(t, bool) or t < 0
+                                                           for t in ids):
+                raise bad("logprob_token_ids", "must be a non-empty list of token ids")
+            if self.logprobs is None:
+                raise bad("logprob_token_ids", "needs logprobs")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or any(not isinstance(t, int) or t < 0 for t in self.logit_bias):
                 raise bad("logit_bias", "must map non-negative token ids to biases")

@@ -7,6 +7,7 @@ engine reports (on /health, and as the error of every request in flight) instead
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
 import socket
@@ -33,8 +34,10 @@ class Ranks:
         self.processes = processes
         self.failure: str | None = None
         self._stopping = False
+        self._watcher: threading.Thread | None = None
         if processes:
-            threading.Thread(target=self._watch, name="kvflow-tp-watch", daemon=True).start()
+            self._watcher = threading.Thread(target=self._watch, name="kvflow-tp-watch", daemon=True)
+            self._watcher.start()
 
     def _watch(self) -> None:
         while not self._stopping and self.failure is None:
@@ -78,6 +81,8 @@ class Ranks:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join()  # it sees _stopping within one poll
 
 
 def start(model_config: ModelConfig) -> Ranks | None:
@@ -86,7 +91,9 @@ def start(model_config: ModelConfig) -> Ranks | None:
     if size == 1 and not group.launched_by_torchrun():
         return None
     if group.current() is not None:
-        raise RuntimeError("this process already runs a tensor-parallel engine")
+        gc.collect()  # an engine no longer referenced, held only by a reference cycle, stops its ranks
+    if group.current() is not None:
+        raise RuntimeError("this process already runs a tensor-parallel engine; close() it first")
     _check_shape(model_config)  # before any rank starts: a size that does not split the heads is refused
     if group.launched_by_torchrun():
         tp = group.join_from_env(size, model_config.device)

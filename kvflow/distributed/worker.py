@@ -51,7 +51,7 @@ def run(model_config: ModelConfig) -> int:
     tp = group.current()
     stopped = False  # by rank 0's "stop": the group is healthy, and its ranks leave it together
     try:
-        loaded = load_model(model_config, with_tokenizer=False)
+        loaded = load_model(model_config, with_tokenizer=False, tensor_parallel=tp)
         first = step_channel.receive()
         if first.kind != "layout":  # rank 0 stopped before its first step
             stopped = first.kind == "stop"

@@ -11,6 +11,7 @@ import functools
 import json
 import logging
 import time
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future
 
@@ -62,8 +63,11 @@ class LLMEngine:
             raise ValueError("tensor parallelism loads each rank's shard itself: pass a model, not loaded_model")
         # The other ranks of a tensor-parallel group (kvflow/distributed), started before this rank loads.
         self.ranks = tp_launch.start(config.model) if loaded is None else None
+        # An engine dropped without close() (a notebook's `LLM(...)` replaced by another) still stops its
+        # ranks and leaves the group, when it is collected: the next engine starts from a clean process.
+        self._stop_ranks = weakref.finalize(self, self.ranks.stop) if self.ranks is not None else None
         try:
-            self.loaded = loaded or load_model(config.model)
+            self.loaded = loaded or load_model(config.model, tensor_parallel=self.ranks and self.ranks.tp)
             # The speculative config, "auto" decided for this device: read here and by _lead_ranks.
             self.speculative = resolve_speculation(config.speculative_config, self.loaded.device.type)
             self.tokenizer = self.loaded.tokenizer
@@ -74,8 +78,8 @@ class LLMEngine:
             if self.ranks is not None:
                 self._lead_ranks(attention_backend)
         except BaseException:
-            if self.ranks is not None:
-                self.ranks.stop()
+            if self._stop_ranks is not None:
+                self._stop_ranks()
             raise
         self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.group_blocks, self.runner.group_windows)
         self.prefix_store = self._open_prefix_store()
@@ -146,8 +150,8 @@ class LLMEngine:
         if self.prefix_store is not None:
             self.prefix_store.close()
             atexit.unregister(self.prefix_store.close)
-        if self.ranks is not None:
-            self.ranks.stop()
+        if self._stop_ranks is not None:
+            self._stop_ranks()
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -227,9 +231,10 @@ class LLMEngine:
         vocab = self.loaded.arch.vocab_size
         if any(t < 0 or t >= vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        outside = [t for t in params.logit_bias or {} if t >= vocab]
-        if outside:
-            raise ValueError(f"SamplingParams.logit_bias: token id {outside[0]} is outside the vocabulary [0, {vocab})")
+        for name in ("logit_bias", "logprob_token_ids"):
+            outside = [t for t in getattr(params, name) or () if t >= vocab]
+            if outside:
+                raise ValueError(f"SamplingParams.{name}: token id {outside[0]} is outside the vocabulary [0, {vocab})")
         if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"the prompt has {n} tokens and max_tokens is {params.max_tokens}: together more than "

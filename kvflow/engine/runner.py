@@ -217,6 +217,8 @@ class ModelRunner:
         try:
             logits = self.executor.execute(inputs)
         except TensorParallelError as exc:  # a rank died mid-step: the group is done
+            if self.tp_driver is None:  # a group this runner does not lead (none should reach here)
+                raise
             raise TensorParallelError(self.tp_driver.ranks.fail(str(exc))) from None
         return StepLogits(logits, inputs.sample_request_ids, inputs.prompt_spans)
 

@@ -97,10 +97,15 @@ class CpuFastExecutor(LayersExecutor):
                                **{name: t.data_ptr() for name, t in buf.items()})
 
     def _dense_matmul(self, context, layer: int, projection: int, rows: int) -> int:
-        """Called from C++ for each many-row matmul: out = in @ W^T on the bfloat16 copy (oneDNN)."""
+        """Called from C++ for each many-row matmul: out = in @ W^T on the bfloat16 copy (oneDNN), or on AMX
+        tiles straight from the packed weights."""
         try:
             x, y = self._dense_io[projection]
-            torch.mm(x, self.native.dense_t[layer][projection], out=y)
+            w = self.native.dense_t[layer][projection]
+            if isinstance(w, torch.Tensor):
+                torch.mm(x, w, out=y)
+            elif not w.dense_bf16_into(x, y):
+                raise RuntimeError("the packed weights' bfloat16 tile kernel refused the matmul")
             return 0
         except BaseException as exc:  # noqa: BLE001 - C cannot carry it: kept, re-raised after the call
             self._callback_error = exc

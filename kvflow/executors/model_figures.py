@@ -46,9 +46,10 @@ def _weight_bytes(model: torch.nn.Module, seen: set[int]) -> int:
 
 
 def prefill_matmul_kind(loaded) -> str:
-    """What a prefill chunk's matmuls run on: "bf16" copies, the "packed" kernel, or "f32" weights."""
+    """What a prefill chunk's matmuls run on: "bf16" (copies, or the packed weights on AMX bfloat16 tiles),
+    the "packed" kernel, or "f32" weights."""
     has_bf16 = any(getattr(m, "weight_bf16", None) is not None or getattr(m, "dense_bf16", None) is not None
-                   for m in loaded.model.modules())
+                   or getattr(m, "dense_from_packed", False) for m in loaded.model.modules())
     if loaded.dtype != torch.float32 or has_bf16:
         return "bf16"
     return "packed" if loaded.native is not None else "f32"

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from kvflow.config import ModelConfig
-from kvflow.distributed import group as tp_group
 from kvflow.distributed.group import TensorParallelGroup
 from kvflow.distributed.sharding import WeightSharder, install_reductions, shard_arch
 from kvflow.executors import compile as compiling
@@ -102,8 +101,11 @@ class ModelSummary:
         return self.plan.dtype
 
 
-def load_model(config: ModelConfig, with_tokenizer: bool = True) -> LoadedModel:
-    """with_tokenizer=False: the weights alone (a tensor-parallel rank other than 0 never sees text)."""
+def load_model(config: ModelConfig, with_tokenizer: bool = True,
+               tensor_parallel: TensorParallelGroup | None = None) -> LoadedModel:
+    """with_tokenizer=False: the weights alone (a tensor-parallel rank other than 0 never sees text).
+    tensor_parallel: the group whose rank's share this process loads (None: the whole model), passed by who
+    made the group, never read from the process: an engine of another size in the same process is no concern."""
     resolved = resolve_model(config.model)
     files = open_model_files(resolved)
     arch = read_arch(files)
@@ -112,16 +114,16 @@ def load_model(config: ModelConfig, with_tokenizer: bool = True) -> LoadedModel:
         # The tokenizer builds (mostly Python: transformers' import, a 128K vocabulary) while the weights
         # load (mostly C++, which lets go of the GIL): a second or more off an 8B model's load.
         tokenizer = pool.submit(files.tokenizer) if with_tokenizer else None
-        loaded = _load(config, files, resolved, arch)
+        loaded = _load(config, files, resolved, arch, tensor_parallel)
         prepare_model(loaded)
         loaded.tokenizer = None if tokenizer is None else tokenizer.result()
     return loaded
 
 
-def _load(config: ModelConfig, files, resolved: ResolvedModel, arch: ArchConfig) -> LoadedModel:
+def _load(config: ModelConfig, files, resolved: ResolvedModel, arch: ArchConfig,
+          tp: TensorParallelGroup | None) -> LoadedModel:
     plan = plan_execution(config, resolved.kind, arch.torch_dtype)
     max_len = config.max_model_len or arch.max_position_embeddings
-    tp = tp_group.current()
     sharder = None
     if tp is not None:  # this rank's heads and MLP columns only (kvflow/distributed/sharding.py)
         sharder = WeightSharder(arch, tp.rank, tp.world_size)
@@ -161,8 +163,11 @@ def prepare_model(loaded: LoadedModel) -> None:
         native = loaded.tensor_parallel is None and reason_unsupported(model) is None
         # Its dense path has no experts: a mixture of experts runs natively on the packed kernel alone, so
         # copies there would cost memory (and round differently from the steps that run) for nothing.
+        # A compiled forward traces the layers' many-row path: the tiles' C call is not in it, copies are.
+        compiled = plan.compile != "off" and loaded.tensor_parallel is None and compiling.should_compile(
+            plan.compile, native, experts=loaded.arch.num_experts > 0)
         if plan.bf16_copies and not (native and loaded.arch.num_experts > 0):
-            added = make_bf16_copies(model, ROW_THRESHOLDS.layers_dense_min_rows)
+            added = make_bf16_copies(model, ROW_THRESHOLDS.layers_dense_min_rows, tiles=not compiled)
             log.info("bfloat16 copies of the weights for many-row matmuls (+%.0f MiB)", added / 2**20)
         loaded.native = NativeModel(model) if native else None
         if loaded.native is not None:
@@ -175,9 +180,11 @@ def prepare_model(loaded: LoadedModel) -> None:
     return_freed_memory()
 
 
-def make_bf16_copies(model: torch.nn.Module, min_rows: int) -> int:
+def make_bf16_copies(model: torch.nn.Module, min_rows: int, tiles: bool = True) -> int:
     """Give every float32 Linear and packed layer (the packed output head aside: it only sees sampled rows) a
-    bfloat16 copy for matmuls of at least min_rows rows. Returns the bytes added. A token's result then
+    bfloat16 copy for matmuls of at least min_rows rows, unless it multiplies its packed weights on AMX
+    bfloat16 tiles at that rate without one (the copy would cost 2 bytes a weight: 16 GB for an 8B model).
+    Returns the bytes added. A token's result then
     depends on how many rows its step had, which is why only the fast mode does it."""
     added = 0
     for name, module in model.named_modules():
@@ -190,10 +197,19 @@ def make_bf16_copies(model: torch.nn.Module, min_rows: int) -> int:
             module.bf16_min_rows = min_rows
             added += module.weight_bf16.numel() * 2
         elif isinstance(module, QuantLinear) and not name.startswith(("lm_head", "embed_tokens")):
-            module.cache_dense_bf16()
             module.max_kernel_rows = min_rows - 1
+            module.dense_from_packed = tiles and multiplies_packed_on_tiles(module)
+            if module.dense_from_packed:
+                continue  # as fast from the packed weights (AMX bfloat16 tiles): no copy
+            module.cache_dense_bf16()
             added += module.dense_bf16.numel() * 2
     return added
+
+
+def multiplies_packed_on_tiles(module: QuantLinear) -> bool:
+    """Whether the layer's many-row matmuls run from its packed weights on bfloat16 tiles (tried on one row)."""
+    x = torch.zeros(1, module.in_features, dtype=torch.bfloat16)
+    return module.dense_bf16_into(x, torch.empty(1, module.out_features, dtype=torch.bfloat16))
 
 
 def build_executor(loaded: LoadedModel, kv_caches: list, attention_backend: str = "auto", max_num_seqs: int = 64,

@@ -49,6 +49,14 @@ def _projections(layer: nn.Module) -> tuple[nn.Module, ...]:
     return a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
+def _dense_operand(p: nn.Module) -> torch.Tensor | nn.Module | None:
+    """What a many-row step multiplies a projection by: its bfloat16 copy as W^T, the projection itself where
+    it multiplies its packed weights on tiles (model_setup.make_bf16_copies left it without a copy), or None."""
+    if getattr(p, "dense_bf16", None) is not None:
+        return p.dense_bf16.t()
+    return p if getattr(p, "dense_from_packed", False) else None
+
+
 def _two_parts(p: nn.Module) -> bool:
     return isinstance(p, PackedParts) and len(p.parts) == 2 and all(isinstance(q, PackedLinear) for q in p.parts)
 
@@ -169,9 +177,9 @@ class NativeModel:
         self.final_softcap = float(getattr(model, "final_softcap", 0.0))  # Gemma 2's, on the packed head's logits
         # bfloat16 copies for many-row steps ([layer][projection] as W^T views), where the plan made them.
         # (None with experts: they run on the packed kernel alone.)
-        dense = [[getattr(p, "dense_bf16", None) for p in _projections(layer)] for layer in model.layers]
-        self.dense_t = (None if self._moe or any(w is None for ws in dense for w in ws)
-                        else [[w.t() for w in ws] for ws in dense])
+        # Or the projection itself where it multiplies its packed weights on bfloat16 tiles without a copy.
+        dense = [[_dense_operand(p) for p in _projections(layer)] for layer in model.layers]
+        self.dense_t = (None if self._moe or any(w is None for ws in dense for w in ws) else dense)
         self.bound: list | None = None  # the kv_caches list the structs point at
         self._held: list = []  # that list's tensors, so no freed cache's address comes back as another's
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvflow.kernels import abi
+from kvflow.kernels import abi, cpu_features
 from kvflow.kernels.huge_pages import MIN_BYTES, HugePageArena, huge_page_zeros, onto_huge_pages
 
 GROUP = 32  # inputs per block (one scale and offset per block and column)
@@ -388,3 +388,22 @@ def matmul(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None, i
         raise RuntimeError("the packed matmul kernel refused its input (blocks of 32 or 16 inputs, 4-, 6- or "
                            "8-bit codes, 8- or 16-bit inputs)")
     return y
+
+
+def takes_bf16_tiles(pw: PackedWeight) -> bool:
+    """Whether matmul_bf16 multiplies this weight here: the AMX tier's library, blocks of 32 inputs."""
+    return available() and cpu_features.isa_tier() == "amx" and pw.group == GROUP
+
+
+def matmul_bf16(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor) -> bool:
+    """out (bfloat16 [M, n], rows may be strided) = x (bfloat16 [M, k]) @ W^T on AMX bfloat16 tiles, the
+    weights dequantized on the fly to the values a bfloat16 copy holds (no copy kept). False where the
+    kernel does not take them (a tier without AMX, blocks of 16 inputs): the caller multiplies otherwise."""
+    if (x.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 or x.stride(-1) != 1 or out.stride(-1) != 1
+            or x.shape[1] != pw.k or out.shape != (x.shape[0], pw.n)):
+        raise ValueError(f"matmul_bf16 takes bfloat16 [M, {pw.k}] -> [M, {pw.n}], got {tuple(x.shape)}, {tuple(out.shape)}")
+    if x.shape[0] == 0:
+        return True
+    return abi.native().kvflow_packed_matmul_bf16(w=ctypes.byref(pw.struct), x=x.data_ptr(), x_stride=x.stride(0),
+                                                  m=x.shape[0], y=out.data_ptr(), y_stride=out.stride(0),
+                                                  num_threads=torch.get_num_threads()) == 0

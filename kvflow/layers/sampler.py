@@ -43,7 +43,8 @@ class SamplingRow:
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[float | None]  # the chosen token's logprob, for rows that asked for logprobs
-    top_logprobs: list[list[tuple[int, float]] | None]  # (token id, logprob), best first, k = params.logprobs
+    # (token id, logprob), best first, k = params.logprobs (or params.logprob_token_ids' tokens, in their order)
+    top_logprobs: list[list[tuple[int, float]] | None]
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -184,7 +185,12 @@ def _gather_logprobs(
     for j, i in enumerate(wanted):
         k = rows[i].params.logprobs or 0
         out_chosen[i] = chosen[j]
-        out_top[i] = list(zip(top_ids[j][:k], top_values[j][:k], strict=True))
+        named = rows[i].params.logprob_token_ids
+        if named:  # the tokens asked for by id, in their order, instead of the top k
+            values = logprobs[j, torch.tensor(named, device=logprobs.device)].tolist()
+            out_top[i] = list(zip(named, values, strict=True))
+        else:
+            out_top[i] = list(zip(top_ids[j][:k], top_values[j][:k], strict=True))
     return out_chosen, out_top
 
 

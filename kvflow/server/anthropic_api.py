@@ -1,7 +1,8 @@
 """Anthropic's Messages API (POST /v1/messages), so that clients written for it (the `anthropic` SDK,
 Claude Code pointed at a local server) can use kvflow: content blocks of text and tool_use, stop_reason,
 usage, and when streamed, its events (message_start, content_block_start/delta/stop, message_delta,
-message_stop). The request runs as a chat completion (anthropic_protocol.py)."""
+message_stop). The request runs as a chat completion (anthropic_protocol.py). POST /v1/messages/count_tokens
+counts the prompt the same request would run."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from kvflow.engine.async_engine import EngineDeadError
 from kvflow.outputs import RequestOutput
 from kvflow.server import openapi
-from kvflow.server.anthropic_protocol import MessagesRequest
-from kvflow.server.chat_run import Reasoning, answer_pieces, start_chat, whole_answer
+from kvflow.server.anthropic_protocol import CountTokensRequest, MessagesRequest
+from kvflow.server.chat_prompt import prepare_chat
+from kvflow.server.chat_run import ChatRun, Reasoning, answer_pieces, start_chat, whole_answer
 from kvflow.server.openai_api import SSE_HEADERS
 from kvflow.server.serving import get_state, parse_body, request_timings, timing_headers
 from kvflow.server.tool_calls import ToolCall
@@ -48,6 +50,17 @@ def _usage(out: RequestOutput) -> dict:
             "output_tokens": len(out.outputs[0].token_ids), "kvflow_timings": timings}
 
 
+@router.post("/v1/messages/count_tokens", openapi_extra=openapi.body(CountTokensRequest))
+async def count_tokens(request: Request) -> dict:
+    state = get_state(request)
+    body = await parse_body(request, CountTokensRequest)
+    state.check_model(body.model)
+    chat = body.as_chat()
+    chat.validate_request()
+    _, ids = await state.engine.prompt_ids(prepare_chat(state.tokenizer, chat).prompt)
+    return {"input_tokens": len(ids)}
+
+
 @router.post("/v1/messages", openapi_extra=openapi.body(MessagesRequest))
 async def create_message(request: Request):
     state = get_state(request)
@@ -76,9 +89,12 @@ def _event(kind: str, **fields) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, ensure_ascii=False)}\n\n"
 
 
-async def _events(request: Request, run, head: dict) -> AsyncIterator[str]:
+async def _events(request: Request, run: ChatRun, head: dict) -> AsyncIterator[str]:
+    # The whole prompt's count: what of it the prefix cache holds is known once it runs (message_delta).
+    usage = {"input_tokens": run.prompt_tokens, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0,
+             "output_tokens": 0}
     yield _event("message_start", message={**head, "content": [], "stop_reason": None, "stop_sequence": None,
-                                           "usage": {"input_tokens": 0, "output_tokens": 0}})
+                                           "usage": usage})
     index, called = 0, False
     open_kind: str | None = None  # the kind of the text block being streamed: "thinking" or "text"
     try:

@@ -13,6 +13,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvflow import __version__
@@ -29,7 +30,7 @@ from kvflow.server import (
 from kvflow.server.errors import APIError, error_response
 from kvflow.server.metrics import CONTENT_TYPE
 from kvflow.server.middleware import APIKeyMiddleware, RequestIdMiddleware, RootPathMiddleware
-from kvflow.server.serving import ServerSettings, ServerState, get_state, metrics_state
+from kvflow.server.serving import ServerSettings, ServerState, get_state, metrics_state, validation_error
 
 log = logging.getLogger("kvflow")
 
@@ -91,8 +92,14 @@ def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
         return await api_error(request, error)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def request_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         return await api_error(request, APIError(400, f"invalid request: {exc.errors()}"))
+
+    @app.exception_handler(ValidationError)
+    async def model_validation_error(request: Request, exc: ValidationError) -> JSONResponse:
+        # A model validated while handling the request (a part of the body read again as another request's
+        # shape, as /tokenize reads its messages as a chat request's): the client's input, not a fault.
+        return await api_error(request, validation_error(exc))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -42,6 +42,7 @@ class ChatPrompt:
     # reasoning.INSIDE / BEFORE when the answer has thinking to split off; harmony.HARMONY for gpt-oss
     reasoning: str | None = None
     end_ids: tuple[int, ...] = ()  # tokens that end the answer besides the model's EOS (harmony's turn ends)
+    custom_names: frozenset[str] = frozenset()  # the custom (freeform) tools' names (custom_tools.py)
 
     def sampling(self, params: SamplingParams) -> SamplingParams:
         """params with the answer's constraint and end tokens; special tokens kept in the text where the
@@ -69,6 +70,12 @@ def _special_ids(tokenizer, names: list[str]) -> dict[str, int]:
 
 
 def prepare_chat(tokenizer, body: ChatCompletionRequest) -> ChatPrompt:
+    chat = _prepare_chat(tokenizer, body)
+    customs = frozenset(t.function.name for t in body.tools or [] if t.custom is not None)
+    return replace(chat, custom_names=customs) if customs else chat
+
+
+def _prepare_chat(tokenizer, body: ChatCompletionRequest) -> ChatPrompt:
     template = getattr(tokenizer, "chat_template", None) or ""
     harmony = CHANNEL in template and is_harmony(template)  # (the first test keeps harmony.py off plain requests)
     tools = body.tools if body.calls_tools else None
@@ -98,7 +105,8 @@ def prepare_chat(tokenizer, body: ChatCompletionRequest) -> ChatPrompt:
     elif tools:
         messages, fmt = with_tools_prompt(messages, tools), HERMES  # kvflow describes the hermes format
     prompt = render_chat(tokenizer, messages, tools=template_tools, template_kwargs=body.template_kwargs(),
-                         continue_final=body.continue_final_message)
+                         continue_final=body.continue_final_message,
+                         add_generation_prompt=body.add_generation_prompt)
     if harmony:
         return _harmony_chat(tokenizer, body, prompt, tools)
     thinking = reasoning_mode(template, prompt) if THINK_OPEN in template else None

@@ -23,6 +23,7 @@ from kvflow.server.tool_calls import ToolCall
 class ChatRun:
     streams: list[RequestStream]
     chat: ChatPrompt
+    prompt_tokens: int  # known before the first output (Anthropic's message_start reports it)
 
 
 class Reasoning(str):
@@ -48,7 +49,8 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, request_id
     chat = prepare_chat(state.tokenizer, body)
     params = chat.sampling(params)
     check_constraint(state, params, chat.constraint_field)
-    return ChatRun(await submit(state, [chat.prompt], params, request_id), chat)
+    _, ids = await state.engine.prompt_ids(chat.prompt)  # tokenized here (off the event loop), once
+    return ChatRun(await submit(state, [ids], params, request_id), chat, len(ids))
 
 
 async def whole_answer(request: Request, run: ChatRun) -> Answer:

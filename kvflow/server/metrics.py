@@ -17,6 +17,7 @@ from kvflow.engine.async_engine import EngineStats
 from kvflow.outputs import RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+MAX_IGNORED_LABELS = 200
 
 _FAST = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
          20.0, 40.0, 80.0, 160.0, 640.0]
@@ -133,6 +134,10 @@ class ServerMetrics:
                                ["finished_reason"], registry=r)
         self.errors = Counter("kvflow:request_errors", "Requests refused or failed, by kind.", ["kind"],
                               registry=r)
+        self.ignored_fields = Counter("kvflow:request_ignored_fields", "Fields of request bodies that kvflow "
+                                      "does not know and ignored, by route and field path (server/unknown_fields.py).",
+                                      ["route", "field"], registry=r)
+        self._ignored_seen: set[tuple[str, str]] = set()
         r.register(_EngineCollector(stats))
         if replica_stats is not None:
             r.register(_ReplicaCollector(replica_stats))
@@ -158,6 +163,17 @@ class ServerMetrics:
 
     def count_error(self, kind: str) -> None:
         self.errors.labels(kind=kind).inc()
+
+    def count_ignored_field(self, route: str, field: str) -> bool:
+        """Count one ignored field; True the first time this route saw it. Past MAX_IGNORED_LABELS kinds of
+        field (a client that makes names up), the others are counted together as "other", and not logged."""
+        key = (route, field)
+        first = key not in self._ignored_seen
+        if first and len(self._ignored_seen) >= MAX_IGNORED_LABELS:
+            key, first = (route, "other"), False
+        self._ignored_seen.add(key)
+        self.ignored_fields.labels(route=key[0], field=key[1]).inc()
+        return first
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

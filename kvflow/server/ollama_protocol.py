@@ -3,7 +3,8 @@
 Sampling defaults are Ollama's (temperature 0.8, top_k 40, top_p 0.9, repeat_penalty 1.1, unlimited
 num_predict). Options that only tune resources (threads, GPUs, batch, mmap...) are accepted and have no
 effect, since kvflow sizes those at start; options that would change the output and are not implemented
-(mirostat, typical_p...) are refused, as are images, templates and context. `format` ("json" or a JSON
+(mirostat, typical_p, tfs_z) are refused unless at their neutral value, as are images, templates and
+context. Fields and options kvflow does not know are ignored, as Ollama does (unknown_fields.py). `format` ("json" or a JSON
 schema) and `tools` map onto the OpenAI request's response_format and tools (ChatRequest.as_openai)."""
 
 from __future__ import annotations
@@ -26,7 +27,11 @@ _OPTION_NAMES = {  # SamplingParams field -> Ollama option
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")  # unknown fields are ignored (unknown_fields.py)
+
+
+# Ollama's sampling options that kvflow does not implement, with the value at which they change nothing.
+_NEUTRAL_OPTIONS = {"mirostat": 0, "typical_p": 1.0, "tfs_z": 1.0}
 
 
 class Options(Strict):
@@ -50,8 +55,19 @@ class Options(Strict):
     use_mlock: bool | None = None
     numa: bool | None = None
     low_vram: bool | None = None
+    # would change the output; refused unless neutral
+    mirostat: int | None = None
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
+    typical_p: float | None = None
+    tfs_z: float | None = None
 
     def sampling_params(self) -> SamplingParams:
+        for name, neutral in _NEUTRAL_OPTIONS.items():
+            value = getattr(self, name)
+            if value is not None and value != neutral:
+                raise bad_request(f"options.{name} is not supported (only {neutral}, which changes nothing)",
+                                  f"options.{name}")
         if self.num_predict in (-1, -2):
             max_tokens = None
         elif self.num_predict >= 1:
@@ -119,8 +135,7 @@ class GenerateRequest(_OllamaRequest):
             raise bad_request("system cannot be used with raw", "system")
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # clients send back fields of their own; none changes the output
+class Message(Strict):  # clients send back fields of their own; none changes the output
     role: str
     content: str = ""
     images: list[str] | None = None
@@ -154,6 +169,7 @@ class ChatRequest(_OllamaRequest):
     def as_openai(self):
         """The same chat as an OpenAI request, so one path renders tools and builds the answer's grammar."""
         from kvflow.server.protocol import ChatCompletionRequest
+        from kvflow.server.serving import validate_as
 
         body: dict[str, Any] = {"messages": [m.as_openai() for m in self.messages]}
         if self.think is False:  # Ollama's switch for thinking models; templates read enable_thinking
@@ -165,7 +181,7 @@ class ChatRequest(_OllamaRequest):
         schema = self.format_schema()
         if schema is not None:
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": "format", "schema": schema}}
-        return ChatCompletionRequest.model_validate(body)
+        return validate_as(ChatCompletionRequest, body)
 
 
 class ShowRequest(Strict):

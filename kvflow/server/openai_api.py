@@ -11,16 +11,16 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvflow.engine.async_engine import EngineDeadError, RequestStream
-from kvflow.outputs import CompletionOutput, Logprob, RequestOutput
+from kvflow.outputs import CompletionOutput, RequestOutput
 from kvflow.server import openapi
 from kvflow.server.answer_parser import AnswerParser
 from kvflow.server.chat_prompt import ChatPrompt, prepare_chat
 from kvflow.server.errors import APIError
 from kvflow.server.prompt_logprobs import (
+    chat_logprobs,
     completion_logprobs,
     echoed_prompt_logprobs,
     joined,
-    top_alternatives,
     vllm_prompt_logprobs,
 )
 from kvflow.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -36,6 +36,7 @@ from kvflow.server.serving import (
     submit,
     timing_headers,
 )
+from kvflow.server.vllm_fields import opening_usage, prompt_inputs, running_usage_wanted, token_options
 
 router = APIRouter()
 
@@ -66,13 +67,15 @@ async def create_completion(request: Request):
     state.check_model(body.model)
     params = body.validate_request()
     check_constraint(state, params, body.structured_output()[1])
-    prompts = body.prompts()
-    echo_texts = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in prompts] if body.echo else []
+    given = body.prompts()
+    prompts, prompt_ids = prompt_inputs(state.engine.engine, body, given)
+    shown = prompts if body.truncate_prompt_tokens is not None else given  # what echo repeats: what ran
+    echo_texts = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in shown] if body.echo else []
     rid = request_id(request, "cmpl")
     streams = await submit(state, prompts, params, rid)
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name}
     if body.stream:
-        events = _completion_events(request, body, streams, head, echo_texts)
+        events = _completion_events(request, body, streams, head, echo_texts, prompt_ids)
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
     finals = await collect(request, streams)
     n, k = body.n, body.logprobs
@@ -81,11 +84,14 @@ async def create_completion(request: Request):
         echo = echo_texts[i] if body.echo else ""
         prompt_part = _prompt_fields(state, body, out)
         for c in out.outputs:
-            lp = completion_logprobs(c.token_ids, c.logprobs or [], k, len(echo)) if k is not None else None
+            lp = completion_logprobs(c.token_ids, c.logprobs or [], k, len(echo), **token_options(body)) \
+                if k is not None else None
             if "logprobs" in prompt_part:
                 lp = joined(prompt_part["logprobs"], lp)
+            ids = {"prompt_token_ids": out.prompt_token_ids, "token_ids": list(c.token_ids)} \
+                if body.return_token_ids else {}
             choices.append({"index": i * n + c.index, "text": echo + c.text, "logprobs": lp,
-                            "finish_reason": c.finish_reason, **_vllm_part(prompt_part)})
+                            "finish_reason": c.finish_reason, **_vllm_part(prompt_part), **ids})
     return _json_with_timings({**head, "choices": choices, "usage": usage(finals), "system_fingerprint": None})
 
 
@@ -98,7 +104,7 @@ def _prompt_fields(state, body: SamplingFields, out: RequestOutput) -> dict:
     k = getattr(body, "logprobs", None)
     if getattr(body, "echo", False) and k is not None:
         fields["logprobs"] = echoed_prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs, k,
-                                                    state.tokenizer.decode)
+                                                    state.tokenizer.decode, bool(body.return_tokens_as_token_ids))
     if body.prompt_logprobs is not None:
         fields["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs,
                                                          body.prompt_logprobs)
@@ -118,37 +124,42 @@ async def create_chat_completion(request: Request):
     chat = prepare_chat(state.tokenizer, body)
     params = chat.sampling(params)
     check_constraint(state, params, chat.constraint_field)
-    prompt = chat.prompt
+    (prompt,), prompt_ids = prompt_inputs(state.engine.engine, body, [chat.prompt])
     rid = request_id(request, "chatcmpl")
     streams = await submit(state, [prompt], params, rid)
     head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name}
     k = body.top_logprobs or 0
     if body.stream:
         head["object"] = "chat.completion.chunk"
-        events = _chat_events(request, body, streams, head, chat)
+        events = _chat_events(request, body, streams, head, chat, prompt_ids[0] if prompt_ids else None)
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
     (final,) = await collect(request, streams)
+    # vLLM: thinking left out takes its logprobs and token ids with it
+    hide = not body.include_reasoning and chat.reasoning is not None
     choices = []
     for c in final.outputs:
-        message: dict = {"role": "assistant", "content": c.text, "refusal": None}
+        message: dict = {"role": body.answer_role, "content": c.text, "refusal": None}
         finish = c.finish_reason
         parser = chat.answer_parser()
         if parser is not None:
             answer = parser.whole(c.text)
             message["content"] = answer.content
-            if chat.reasoning is not None:
+            if chat.reasoning is not None and body.include_reasoning:
                 message["reasoning_content"] = answer.reasoning
             if answer.calls:
                 message.update(content=answer.content if answer.content.strip() else None,
-                               tool_calls=[call.openai() for call in answer.calls])
+                               tool_calls=[call.openai(custom=call.name in chat.custom_names)
+                                           for call in answer.calls])
                 finish = "tool_calls" if finish == "stop" else finish
-        choices.append({
-            "index": c.index, "message": message,
-            "logprobs": chat_logprobs(c.token_ids, c.logprobs or [], k) if body.logprobs else None,
-            "finish_reason": finish,
-        })
+        if body.echoed():
+            message["content"] = body.echoed() + (message["content"] or "")
+        lp = chat_logprobs(c.token_ids, c.logprobs or [], k, **token_options(body)) if body.logprobs else None
+        ids = {"token_ids": None if hide else list(c.token_ids)} if body.return_token_ids else {}
+        choices.append({"index": c.index, "message": message, "logprobs": None if hide else lp,
+                        "finish_reason": finish, **ids})
+    prompt_part = {"prompt_token_ids": final.prompt_token_ids} if body.return_token_ids else {}
     return _json_with_timings({**head, "choices": choices, "usage": usage([final]), "system_fingerprint": None,
-                               **_vllm_part(_prompt_fields(state, body, final))})
+                               **_vllm_part(_prompt_fields(state, body, final)), **prompt_part})
 
 
 def _json_with_timings(body: dict) -> JSONResponse:
@@ -208,12 +219,23 @@ async def _follow(
 
 
 async def _completion_events(
-    request: Request, body: CompletionRequest, streams: Sequence[RequestStream], head: dict, echo_texts: list[str]
+    request: Request, body: CompletionRequest, streams: Sequence[RequestStream], head: dict, echo_texts: list[str],
+    prompt_ids: list[list[int]] | None,
 ) -> AsyncIterator[str]:
     n, k = body.n, body.logprobs
     tail = {"usage": None} if body.include_usage else {}
+    opening = {"usage": opening_usage(prompt_ids)} if prompt_ids and running_usage_wanted(body.stream_options) else tail
     latest: list = [None] * len(streams)
     cursors: dict[int, _ChoiceCursor] = {}
+    given_ids: set[int] = set()  # choices whose prompt_token_ids were sent (vLLM: in their first chunk)
+
+    def token_ids(index: int, ids: list[int]) -> dict:
+        if not body.return_token_ids or prompt_ids is None:
+            return {}
+        first = {} if index in given_ids else {"prompt_token_ids": prompt_ids[index // n]}
+        given_ids.add(index)
+        return {**first, "token_ids": ids}
+
     # A scored prompt's chunk waits for its logprobs, which come with the choice's first output.
     scored = body.prompt_logprobs_wanted is not None
     for i, text in enumerate(echo_texts):
@@ -221,9 +243,10 @@ async def _completion_events(
             cursors[i * n + j] = _ChoiceCursor(len(text))
             if not scored:
                 yield sse({**head, "choices": [{"index": i * n + j, "text": text, "logprobs": None,
-                                                "finish_reason": None}], **tail})
+                                                "finish_reason": None, **token_ids(i * n + j, [])}], **opening})
     introduced: set[int] = set()
-    async for item in _follow(request, body, streams, head, n, cursors, k is not None, latest):
+    with_ids = k is not None or bool(body.return_token_ids)  # every token goes out, its text held back or not
+    async for item in _follow(request, body, streams, head, n, cursors, with_ids, latest):
         if isinstance(item, str):
             yield item
             continue
@@ -237,26 +260,37 @@ async def _completion_events(
             yield sse({**head, "choices": [choice], **tail})
         lp = None
         if k is not None:
-            lp = completion_logprobs(ids, entries, k, cursor.text)
-            cursor.text += sum(len(t) for t in lp["tokens"])  # offsets count decoded tokens, as unstreamed
-        choice = {"index": index, "text": c.delta_text, "logprobs": lp, "finish_reason": c.finish_reason}
+            lp = completion_logprobs(ids, entries, k, cursor.text, **token_options(body))
+            # offsets count decoded tokens, as unstreamed
+            cursor.text += sum(len(e[t].decoded_token or "") for t, e in zip(ids, entries))
+        choice = {"index": index, "text": c.delta_text, "logprobs": lp, "finish_reason": c.finish_reason,
+                  **token_ids(index, ids)}
         yield sse({**head, "choices": [choice], **tail})
 
 
 async def _chat_events(
     request: Request, body: ChatCompletionRequest, streams: Sequence[RequestStream], head: dict,
-    chat: ChatPrompt,
+    chat: ChatPrompt, prompt_ids: list[int] | None,
 ) -> AsyncIterator[str]:
     tail = {"usage": None} if body.include_usage else {}
+    opening = {"usage": opening_usage([prompt_ids])} if prompt_ids and running_usage_wanted(body.stream_options) \
+        else tail
     k = body.top_logprobs or 0
+    # vLLM: thinking left out takes its logprobs and token ids with it
+    hide = not body.include_reasoning and chat.reasoning is not None
     parsers: dict[int, _StreamedAnswer] = {}
     latest: list = [None] * len(streams)
+    given = {"prompt_token_ids": prompt_ids} if body.return_token_ids and prompt_ids is not None else {}
     for j in range(body.n):  # the first chunk of every choice names the role
-        choice = {"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        choice = {"index": j, "delta": {"role": body.answer_role, "content": ""}, "logprobs": None,
                   "finish_reason": None}
-        yield sse({**head, "choices": [choice], **tail})
+        yield sse({**head, "choices": [choice], **opening, **given})
+    for j in range(body.n if body.echoed() else 0):
+        choice = {"index": j, "delta": {"content": body.echoed()}, "logprobs": None, "finish_reason": None}
+        yield sse({**head, "choices": [choice], **opening})
     scored = body.prompt_logprobs is not None
-    async for item in _follow(request, body, streams, head, body.n, {}, bool(body.logprobs), latest):
+    with_ids = bool(body.logprobs) or bool(body.return_token_ids)  # every token goes out, its text held back or not
+    async for item in _follow(request, body, streams, head, body.n, {}, with_ids, latest):
         if isinstance(item, str):
             yield item
             continue
@@ -266,22 +300,26 @@ async def _chat_events(
             yield sse({**head, "choices": [], **_vllm_part(_prompt_fields(get_state(request), body, latest[0])),
                        **tail})
         index, c, ids, entries, _ = item
-        lp = chat_logprobs(ids, entries, k) if body.logprobs else None
+        lp = chat_logprobs(ids, entries, k, **token_options(body)) if body.logprobs and not hide else None
+        token_ids = {"token_ids": ids} if body.return_token_ids and not hide else {}
         if chat.tool_format is None and chat.reasoning is None:
             delta = {"content": c.delta_text} if c.delta_text else {}
-            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason, **token_ids}
             yield sse({**head, "choices": [choice], **tail})
             continue
-        answer = parsers.setdefault(index, _StreamedAnswer(chat.answer_parser()))
-        for delta, finish in answer.deltas(c.delta_text, c.finish_reason):
-            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
-            lp = None  # a token's logprobs go with the first chunk its text is in
+        answer = parsers.setdefault(index, _StreamedAnswer(chat.answer_parser(), body.include_reasoning,
+                                                           chat.custom_names))
+        deltas = answer.deltas(c.delta_text, c.finish_reason)
+        for delta, finish in deltas or ([({}, None)] if token_ids else []):  # ids of text held back go out too
+            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish, **token_ids}
+            lp, token_ids = None, {}  # a token's logprobs and id go with the first chunk its text is in
             yield sse({**head, "choices": [choice], **tail})
 
 
 def _running_usage(body: SamplingFields, latest: list, tail: dict) -> dict:
-    """With stream_options.continuous_usage_stats, every chunk carries the usage so far."""
-    if body.stream_options is None or not body.stream_options.continuous_usage_stats:
+    """With stream_options include_usage and continuous_usage_stats (vLLM's rule: both), every chunk carries
+    the usage so far."""
+    if not running_usage_wanted(body.stream_options):
         return tail
     return {"usage": usage([o for o in latest if o is not None])}
 
@@ -291,8 +329,11 @@ class _StreamedAnswer:
     parsers let text through, and each tool call as OpenAI streams it (a chunk with its index, id and
     name, then one with its arguments)."""
 
-    def __init__(self, parser: AnswerParser) -> None:
+    def __init__(self, parser: AnswerParser, include_reasoning: bool = True,
+                 custom_names: frozenset[str] = frozenset()) -> None:
         self.parser = parser
+        self.include_reasoning = include_reasoning  # vLLM's include_reasoning false: thinking is not sent
+        self.custom_names = custom_names
         self.sent_calls = 0
 
     def deltas(self, text: str, finish_reason: str | None) -> list[tuple[dict, str | None]]:
@@ -305,12 +346,15 @@ class _StreamedAnswer:
 
     def _emit(self, piece) -> list[tuple[dict, str | None]]:
         out: list[tuple[dict, str | None]] = []
-        if piece.reasoning:
+        if piece.reasoning and self.include_reasoning:
             out.append(({"reasoning_content": piece.reasoning}, None))
         if piece.content:
             out.append(({"content": piece.content}, None))
         for call in piece.calls:
             index, self.sent_calls = self.sent_calls, self.sent_calls + 1
+            if call.name in self.custom_names:  # a custom tool's call comes whole
+                out.append(({"tool_calls": [call.openai(index, custom=True)]}, None))
+                continue
             head = {"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
             out.append(({"tool_calls": [head]}, None))
             out.append(({"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]}, None))
@@ -321,21 +365,6 @@ class _StreamedAnswer:
 def sse(obj: dict | str) -> str:
     data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
     return f"data: {data}\n\n"
-
-
-def _token_entry(lp: Logprob) -> dict:
-    text = lp.decoded_token or ""
-    return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
-
-
-def chat_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]], k: int) -> dict:
-    """/v1/chat/completions logprobs: {"content": [{token, logprob, bytes, top_logprobs}], "refusal": null}."""
-    content = []
-    for token, entry in zip(token_ids, entries):
-        item = _token_entry(entry[token])
-        item["top_logprobs"] = [_token_entry(lp) for lp in top_alternatives(entry, k)]
-        content.append(item)
-    return {"content": content, "refusal": None}
 
 
 def usage(outputs: Sequence[RequestOutput]) -> dict:

@@ -26,9 +26,10 @@ MAX_STEPS_PER_POLL = 400  # a page that fell far behind gets the newest steps
 router = APIRouter(include_in_schema=False)
 
 
-@router.get("/")
+@router.api_route("/", methods=["GET", "HEAD"])
 async def index(request: Request) -> Response:
     # Browsers get the page; clients that probe the root (Ollama's "is it running" check, curl) a line.
+    # HEAD (Claude Code sends one before its requests) answers the same, without the body (uvicorn drops it).
     if not get_state(request).settings.ui or "text/html" not in request.headers.get("accept", ""):
         return PlainTextResponse("kvflow is running")
     root = request.scope.get("root_path", "").rstrip("/")

@@ -1,24 +1,27 @@
-"""OpenAI request bodies (pydantic). Unknown fields are rejected; OpenAI fields that kvflow does not act on
-are accepted only when they would change nothing (user, metadata...), and refused otherwise."""
+"""OpenAI request bodies (pydantic). Unknown fields are ignored (logged once and counted: unknown_fields.py);
+known OpenAI fields that kvflow does not act on are accepted only when they would change nothing (user,
+metadata...), and refused otherwise."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from kvflow.sampling_params import SamplingParams
 from kvflow.server.chat_tools import Tool, named_choice
 from kvflow.server.errors import bad_request, from_value_error
+from kvflow.server.vllm_fields import VllmChatFields, VllmFields, check_generation_prompt
 from kvflow.structured.spec import StructuredOutput
 
 log = logging.getLogger("kvflow")
-_ignored_fields_logged: set[str] = set()
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Known fields are checked; unknown ones are kept aside and ignored (serving.parse_body counts them)."""
+
+    model_config = ConfigDict(extra="allow")
 
 
 class StreamOptions(Strict):
@@ -26,20 +29,9 @@ class StreamOptions(Strict):
     continuous_usage_stats: bool = False  # vLLM's: usage in every chunk
 
 
-class Lenient(BaseModel):
-    """Parts of a message: fields kvflow does not know (clients send `refusal`, `annotations`, `audio` and
-    vendor fields back with the history) are ignored, and logged once per field name."""
-
-    model_config = ConfigDict(extra="allow")
-
-    @model_validator(mode="after")
-    def _log_ignored(self):
-        for name in (self.model_extra or {}):
-            key = f"{type(self).__name__}.{name}"
-            if key not in _ignored_fields_logged:
-                _ignored_fields_logged.add(key)
-                log.info("ignoring the field %r in %s (not used by kvflow)", name, type(self).__name__)
-        return self
+class Lenient(Strict):
+    """Parts of a message: clients send `refusal`, `annotations`, `audio` and vendor fields back with the
+    history; like every unknown field, they are ignored."""
 
 
 class ResponseFormat(Strict):
@@ -66,8 +58,8 @@ class StructuredOutputs(Strict):
     grammar: str | None = None
 
 
-class SamplingFields(Strict):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+class SamplingFields(Strict, VllmFields):
+    """Fields shared by /v1/completions and /v1/chat/completions (vLLM's extensions: vllm_fields.py)."""
 
     model: str | None = None
     n: int = 1
@@ -146,6 +138,7 @@ class SamplingFields(Strict):
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output or self.no_stop_trim,
             skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias(),
+            logprob_token_ids=self.logprob_token_ids,
         )
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty", "min_tokens"):
@@ -202,6 +195,7 @@ class CompletionRequest(SamplingFields):
 
     def validate_request(self) -> SamplingParams:
         self.check_common()
+        self.check_vllm_fields(self.logprobs is not None)
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix", "unsupported_parameter")
         return self.sampling_params(self.max_tokens, self.logprobs, self.prompt_logprobs_wanted)
@@ -260,7 +254,7 @@ class ChatMessage(Lenient):
         return message
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, VllmChatFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -293,8 +287,10 @@ class ChatCompletionRequest(SamplingFields):
 
     def validate_request(self) -> SamplingParams:
         self.check_common()
+        self.check_vllm_fields(self.logprobs)
         if not self.messages:
             raise bad_request("messages must not be empty", "messages")
+        check_generation_prompt(self, self.continue_final_message)
         self._check_tools()
         if self.store:
             raise bad_request("store is not supported", "store", "unsupported_parameter")
@@ -326,6 +322,16 @@ class ChatCompletionRequest(SamplingFields):
         if chosen is not None and chosen not in names:
             raise bad_request(f"tool_choice names the function {chosen!r}, which is not among the tools",
                               "tool_choice")
+
+    @property
+    def answer_role(self) -> str:
+        """The answer's role: the assistant's, or, with add_generation_prompt false, the last message's (vLLM)."""
+        return "assistant" if self.add_generation_prompt or not self.messages else self.messages[-1].role
+
+    def echoed(self) -> str:
+        """With echo: the text the answer starts with, the last message's when it has the answer's role."""
+        last = self.messages[-1] if self.messages else None
+        return last.text() if self.echo and last is not None and last.role == self.answer_role else ""
 
     @property
     def calls_tools(self) -> bool:

@@ -17,9 +17,11 @@ from kvflow.engine.async_engine import EngineDeadError
 from kvflow.outputs import RequestOutput
 from kvflow.server import openapi
 from kvflow.server.chat_run import Reasoning, answer_pieces, start_chat, whole_answer
+from kvflow.server.custom_tools import custom_input
 from kvflow.server.errors import APIError
 from kvflow.server.openai_api import SSE_HEADERS
 from kvflow.server.responses_protocol import ResponsesRequest
+from kvflow.server.responses_tools import ToolBook
 from kvflow.server.serving import get_state, parse_body, request_timings, timing_headers
 from kvflow.server.tool_calls import ToolCall
 
@@ -41,9 +43,20 @@ def _reasoning_item(text: str, status: str = "completed") -> dict:
             "content": [{"type": "reasoning_text", "text": text}]}
 
 
-def _call_item(call: ToolCall, status: str = "completed") -> dict:
-    return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call.id, "name": call.name,
-            "arguments": call.arguments if status == "completed" else "", "status": status}
+def _call_item(call: ToolCall, book: ToolBook, status: str = "completed") -> dict:
+    """A function_call item, or a custom tool's custom_tool_call, named as the client declared the tool
+    (its name, and its namespace where it has one: responses_tools.py)."""
+    tool = book.split(call.name)
+    done = status == "completed"
+    if tool.custom:
+        item = {"type": "custom_tool_call", "id": f"ctc_{uuid.uuid4().hex}", "call_id": call.id, "name": tool.name,
+                "input": custom_input(call.arguments) if done else "", "status": status}
+    else:
+        item = {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call.id, "name": tool.name,
+                "arguments": call.arguments if done else "", "status": status}
+    if tool.namespace is not None:
+        item["namespace"] = tool.namespace
+    return item
 
 
 def _usage(out: RequestOutput | None) -> dict | None:
@@ -88,15 +101,17 @@ async def create_response(request: Request):
     body = await parse_body(request, ResponsesRequest)
     state.check_model(body.model)
     response = _Response(body, state.model_name)
-    run = await start_chat(state, body.as_chat(), response.doc["id"])
+    chat, book = body.as_chat()
+    run = await start_chat(state, chat, response.doc["id"])
     if body.stream:
-        return StreamingResponse(_events(request, run, response), media_type="text/event-stream", headers=SSE_HEADERS)
+        return StreamingResponse(_events(request, run, response, book), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
     answer = await whole_answer(request, run)
     if answer.reasoning:
         response.doc["output"].append(_reasoning_item(answer.reasoning))
     if answer.content.strip() or not answer.calls:
         response.doc["output"].append(_message_item(answer.content))
-    response.doc["output"] += [_call_item(call) for call in answer.calls]
+    response.doc["output"] += [_call_item(call, book) for call in answer.calls]
     doc = response.finish(answer.output)
     return JSONResponse(doc, headers=timing_headers(doc["usage"]["kvflow_timings"]))
 
@@ -111,7 +126,7 @@ class _EventStream:
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def _events(request: Request, run, response: _Response) -> AsyncIterator[str]:
+async def _events(request: Request, run, response: _Response, book: ToolBook) -> AsyncIterator[str]:
     events = _EventStream()
     output = response.doc["output"]
     yield events.event("response.created", response=response.doc)
@@ -166,15 +181,15 @@ async def _events(request: Request, run, response: _Response) -> AsyncIterator[s
             elif isinstance(piece, ToolCall):
                 for line in close_message():
                     yield line
-                item = _call_item(piece, status="in_progress")
+                item = _call_item(piece, book, status="in_progress")
                 output.append(item)
                 index = len(output) - 1
                 yield events.event("response.output_item.added", output_index=index, item=item)
-                yield events.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                                   delta=piece.arguments)
-                item.update(arguments=piece.arguments, status="completed")
-                yield events.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                   arguments=piece.arguments)
+                done = _call_item(piece, book)
+                key, kind = ("input", "custom_tool_call_input") if "input" in item else ("arguments", "function_call_arguments")
+                yield events.event(f"response.{kind}.delta", item_id=item["id"], output_index=index, delta=done[key])
+                item.update({key: done[key], "status": "completed"})
+                yield events.event(f"response.{kind}.done", item_id=item["id"], output_index=index, **{key: done[key]})
                 yield events.event("response.output_item.done", output_index=index, item=item)
             else:
                 for line in close_message():

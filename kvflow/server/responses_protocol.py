@@ -2,16 +2,25 @@
 request, so that tools, structured output and sampling behave exactly as on /v1/chat/completions.
 
 Stateless: `previous_response_id` and `store: true` are refused (kvflow keeps no responses); `reasoning`,
-`include`, `truncation`, `metadata` and the like are accepted as they change nothing here."""
+`include`, `truncation`, `metadata`, `client_metadata` and the like are accepted as they change nothing
+here. Input items: messages; function and custom tool calls and their outputs (by call_id); earlier
+reasoning and item references (kvflow keeps no items to resolve them) and item types it does not know are
+left out. Tools: responses_tools.py."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
+from kvflow.server.custom_tools import custom_arguments
 from kvflow.server.errors import bad_request
 from kvflow.server.protocol import ChatCompletionRequest, Lenient
+from kvflow.server.responses_tools import ResponsesTool, ToolBook, flat_name
+from kvflow.server.serving import validate_as
+
+log = logging.getLogger("kvflow")
 
 
 class InputContent(Lenient):
@@ -20,23 +29,17 @@ class InputContent(Lenient):
 
 
 class InputItem(Lenient):
-    """A message, a function call the model made earlier, or that call's output (by call_id)."""
+    """A message, a function or custom tool call the model made earlier, or that call's output (by call_id)."""
 
     type: str = "message"
     role: Literal["user", "system", "developer", "assistant"] | None = None
     content: str | list[InputContent] | None = None
     call_id: str | None = None
     name: str | None = None
-    arguments: str | None = None
+    namespace: str | None = None
+    arguments: str | None = None  # a function call's
+    input: str | None = None  # a custom tool call's
     output: str | list[InputContent] | None = None
-
-
-class FunctionTool(Lenient):
-    type: Literal["function"]
-    name: str
-    description: str | None = None
-    parameters: dict | None = None
-    strict: bool | None = None
 
 
 class TextFormat(Lenient):
@@ -51,13 +54,12 @@ class TextOptions(Lenient):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ResponsesRequest(Lenient):
 
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None
-    tools: list[FunctionTool] | None = None
+    tools: list[ResponsesTool] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
     text: TextOptions | None = None
@@ -78,22 +80,26 @@ class ResponsesRequest(BaseModel):
     top_logprobs: int | None = None
     seed: int | None = None  # kvflow extension
 
-    def as_chat(self) -> ChatCompletionRequest:
+    def as_chat(self) -> tuple[ChatCompletionRequest, ToolBook]:
+        """The chat request, and the book of tools its calls are read back with."""
         if self.previous_response_id:
             raise bad_request("previous_response_id is not supported: kvflow keeps no responses; send the "
                               "whole conversation as input", "previous_response_id", "unsupported_parameter")
         if self.store:
             raise bad_request("store is not supported: kvflow keeps no responses", "store", "unsupported_parameter")
-        body: dict[str, Any] = {"messages": self._messages(), "max_tokens": self.max_output_tokens}
+        messages = self._messages()
+        if not messages:
+            raise bad_request("the input holds no message kvflow can read", "input")
+        body: dict[str, Any] = {"messages": messages, "max_tokens": self.max_output_tokens}
         for name in ("temperature", "top_p", "parallel_tool_calls", "seed"):
             if getattr(self, name) is not None:
                 body[name] = getattr(self, name)
-        if self.tools:
-            body["tools"] = [{"type": "function", "function": t.model_dump(include={"name", "description", "parameters",
-                                                                                  "strict"}, exclude_none=True)}
-                             for t in self.tools]
-        if self.tool_choice is not None:
-            body["tool_choice"] = _chat_tool_choice(self.tool_choice)
+        book = ToolBook(self.tools)
+        choice, tools = book.chat_choice(self.tool_choice)
+        if tools:
+            body["tools"] = tools
+        if choice is not None and (tools or not self.tools or choice in ("none", "auto")):
+            body["tool_choice"] = choice  # (a choice that would force hosted tools only: left to "auto")
         effort = (self.reasoning or {}).get("effort")
         if effort in ("low", "medium", "high"):  # gpt-oss's template takes it
             body["reasoning_effort"] = effort
@@ -103,7 +109,7 @@ class ResponsesRequest(BaseModel):
             body["response_format"] = ({"type": "json_object"} if schema is None else
                                        {"type": "json_schema", "json_schema": {"name": fmt.name or "output",
                                                                                "schema": schema}})
-        return ChatCompletionRequest.model_validate(body)
+        return validate_as(ChatCompletionRequest, body), book
 
     def _messages(self) -> list[dict]:
         messages: list[dict] = []
@@ -116,19 +122,19 @@ class ResponsesRequest(BaseModel):
                 if item.role is None:
                     raise bad_request("a message needs a role", f"input.{i}.role")
                 messages.append({"role": item.role, "content": _text(item.content)})
-            elif item.type == "function_call":
+            elif item.type in ("function_call", "custom_tool_call"):
+                custom = item.type == "custom_tool_call"
+                arguments = custom_arguments(item.input or "") if custom else item.arguments or "{}"
                 call = {"id": item.call_id, "type": "function",
-                        "function": {"name": item.name or "", "arguments": item.arguments or "{}"}}
+                        "function": {"name": flat_name(item.namespace, item.name or ""), "arguments": arguments}}
                 if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
                     messages[-1]["tool_calls"].append(call)  # parallel calls of one turn
                 else:
                     messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-            elif item.type == "function_call_output":
+            elif item.type in ("function_call_output", "custom_tool_call_output"):
                 messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)})
-            elif item.type == "reasoning":
-                continue  # kvflow's earlier reasoning is not replayed
-            else:
-                raise bad_request(f"input items of type {item.type!r} are not supported", f"input.{i}.type")
+            elif item.type not in ("reasoning", "item_reference"):  # earlier reasoning is not replayed
+                log.debug("leaving out an input item of type %r", item.type)
         return messages
 
 
@@ -136,13 +142,4 @@ def _text(content) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     return "".join(part.text or "" for part in content if part.type in ("input_text", "output_text", "text"))
-
-
-def _chat_tool_choice(choice: str | dict) -> str | dict:
-    if isinstance(choice, dict):
-        if choice.get("type") == "function" and isinstance(choice.get("name"), str):
-            return {"type": "function", "function": {"name": choice["name"]}}
-        raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}',
-                          "tool_choice")
-    return choice
 

@@ -25,6 +25,8 @@ from kvflow.sampling_params import SamplingParams
 from kvflow.server.context_fit import fit_context
 from kvflow.server.errors import APIError, bad_request, from_value_error
 from kvflow.server.metrics import ServerMetrics
+from kvflow.server.middleware import route_path
+from kvflow.server.unknown_fields import unknown_fields
 from kvflow.structured.compiler import GrammarError
 
 log = logging.getLogger("kvflow")
@@ -132,7 +134,8 @@ def request_id(request: Request, prefix: str) -> str:
 
 async def parse_body(request: Request, model: type[M]) -> M:
     """The JSON body as `model`: 413 past the size limit (at once when Content-Length says so, else as the
-    bytes arrive); malformed JSON, unknown fields and wrong types are 400s naming the field."""
+    bytes arrive); malformed JSON, missing fields and wrong types are 400s naming the field; unknown fields
+    are ignored, logged once and counted (unknown_fields.py)."""
     check_json_content_type(request)
     raw = await read_body(request, get_state(request).settings.max_body_bytes)
     try:
@@ -142,9 +145,19 @@ async def parse_body(request: Request, model: type[M]) -> M:
     if not isinstance(data, dict):
         raise bad_request("the body must be a JSON object", None, "invalid_json")
     try:
-        return model.model_validate(data)
+        parsed = model.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc) from None
+    _note_unknown_fields(request, parsed)
+    return parsed
+
+
+def _note_unknown_fields(request: Request, body: BaseModel) -> None:
+    state = get_state(request)
+    route = route_path(request.scope)
+    for name in unknown_fields(body):
+        if state.metrics.count_ignored_field(route, name):
+            log.debug("ignoring the field %r on %s (kvflow does not know it)", name, route)
 
 
 def check_json_content_type(request: Request) -> None:
@@ -178,10 +191,11 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
 
 
 def render_chat(tokenizer, messages: list[dict], param: str = "messages", tools: list[dict] | None = None,
-                template_kwargs: dict | None = None, continue_final: bool = False) -> str:
+                template_kwargs: dict | None = None, continue_final: bool = False,
+                add_generation_prompt: bool = True) -> str:
     """The prompt text for messages (and tools, as transformers passes them to the template; template_kwargs
-    such as enable_thinking go to the template too), ending with the assistant's turn; a 400 when the
-    template refuses them."""
+    such as enable_thinking go to the template too), ending with the assistant's turn (unless
+    add_generation_prompt is false); a 400 when the template refuses them."""
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template, so it cannot chat; use the completions API",
                           param, "no_chat_template")
@@ -189,8 +203,8 @@ def render_chat(tokenizer, messages: list[dict], param: str = "messages", tools:
         if continue_final:  # the prompt ends inside the last assistant message, which the answer goes on with
             return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=False,
                                                  continue_final_message=True, **(template_kwargs or {}))
-        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
-                                             **(template_kwargs or {}))
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
     except Exception as exc:  # jinja2 raises TemplateError (or anything a template's raise_exception throws)
         raise bad_request(f"the chat template could not render these messages: {exc}", param) from None
 
@@ -204,6 +218,15 @@ def check_constraint(state: ServerState, params: SamplingParams, field: str | No
         state.engine.engine.grammars.compile(params.structured_output)
     except GrammarError as exc:
         raise bad_request(str(exc), field, "invalid_schema") from None
+
+
+def validate_as(model: type[M], data: dict) -> M:
+    """data as `model`, a 400 naming the field where it does not fit: for the chat request an adapter
+    (Responses, Messages, Ollama) builds from what its client sent."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
 
 
 def validation_error(exc: ValidationError) -> APIError:

@@ -4,7 +4,8 @@ chunking).
 
 Formats:
 - hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call (Qwen 2.5/3,
-  Hermes, and the format kvflow describes itself to models whose template ignores tools);
+  Hermes, and the format kvflow describes itself to models whose template ignores tools); a custom tool's
+  call may also be its name's JSON line and then its input, raw (custom_tools.py);
 - llama3: the whole answer is `{"name": ..., "parameters": {...}}` (calls joined by `;`), maybe after
   `<|python_tag|>` (Llama 3.1-3.3);
 - mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`.
@@ -15,6 +16,8 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
+
+from kvflow.server.custom_tools import custom_arguments, custom_input
 
 HERMES, LLAMA3, MISTRAL = "hermes", "llama3", "mistral"
 _CONTENT = "content"  # a llama3/mistral answer found to be plain text
@@ -38,8 +41,12 @@ class ToolCall:
     arguments: str  # JSON text, as OpenAI sends it
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
 
-    def openai(self, index: int | None = None) -> dict:
-        call = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+    def openai(self, index: int | None = None, custom: bool = False) -> dict:
+        """The call in chat completions' shape; a custom tool's call (custom) with its input."""
+        if custom:
+            call = {"id": self.id, "type": "custom", "custom": {"name": self.name, "input": custom_input(self.arguments)}}
+        else:
+            call = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
         return call if index is None else {"index": index, **call}
 
 
@@ -142,7 +149,7 @@ class ToolCallParser:
         tag inside a JSON string is not the end)."""
         end = self._held.find(_HERMES_CLOSE)
         while end >= 0:
-            calls = _calls_from_json(self._held[:end].strip(), "arguments")
+            calls = _hermes_body(self._held[:end])
             if calls is not None:
                 return calls, end
             end = self._held.find(_HERMES_CLOSE, end + 1)
@@ -177,6 +184,22 @@ class ToolCallParser:
                 return None
             calls += found
         return calls or None
+
+
+def _hermes_body(body: str) -> list[ToolCall] | None:
+    """The calls in what a hermes block holds: JSON, or a custom tool's raw call (a JSON line naming it, then
+    its input up to the newline before the closing tag)."""
+    calls = _calls_from_json(body.strip(), "arguments")
+    if calls is not None:
+        return calls
+    header, newline, rest = body.lstrip().partition("\n")
+    try:
+        head = json.loads(header)
+    except json.JSONDecodeError:
+        return None
+    if not newline or not isinstance(head, dict) or set(head) != {"name"} or not isinstance(head["name"], str):
+        return None
+    return [ToolCall(head["name"], custom_arguments(rest.removesuffix("\n")))]
 
 
 def _partial_suffix(text: str, marker: str) -> int:

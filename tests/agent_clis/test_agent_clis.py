@@ -13,11 +13,7 @@ from agent_clis.clients import MARKER, NOTES, OUTPUT_TOKENS, make_session
 from agent_clis.proxy import AgentProxy
 from agent_clis.steer import steer_to, tool_results
 
-# Codex's and Claude Code's requests are refused today (Codex: its `namespace` and `web_search` tools and
-# `client_metadata`; Claude Code: a system-role message in `messages`, `context_management`, `output_config`,
-# and HEAD /); the agents-wire branch makes the server accept them. Until it is merged:
-NEEDS_WIRE = pytest.mark.xfail(strict=True, reason="needs the agents-wire fixes (issue 50)")
-CLIENTS = ["qwen", "openclaw", pytest.param("codex", marks=NEEDS_WIRE), pytest.param("claude", marks=NEEDS_WIRE)]
+CLIENTS = ["qwen", "openclaw", "codex", "claude"]
 SHORT_ANSWER = {"type": "string", "maxLength": 24}
 TURN_1 = f"Read the file {NOTES} with your tool and say what it holds."
 TURN_2 = "Thank you. Now say goodbye in two words."

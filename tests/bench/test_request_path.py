@@ -12,13 +12,13 @@ import pytest
 from kvflow.bench.request_path import trace_chat_request
 from kvflow.kernels import packed_matmul
 
-MAX_FILES = 24
+MAX_FILES = 27  # up from 24 with the wire tolerance and vLLM fields (issue 50, 51); issue 53 brings it down
 
 
 # Without a C++ compiler the PyTorch layers carry the step (models/, layers/): a longer path by design.
 @pytest.mark.skipif(not packed_matmul.available(), reason="needs a C++ compiler for the native decoder")
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
-def test_chat_request_crosses_at_most_24_files(stream):
+def test_chat_request_crosses_at_most_max_files(stream):
     files = trace_chat_request(None, stream)
     assert "kvflow/server/openai_api.py" in files and "kvflow/executors/cpu_fast.py" in files  # it saw the path
     assert len(files) <= MAX_FILES, files

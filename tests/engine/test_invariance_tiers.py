@@ -6,26 +6,14 @@ model's heads do not reach are checked row by row on every tier in tests/kernel_
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from forced_tier import LOWER, assert_passes_on_tier
 
-from kvflow.kernels import cpu_features, packed_matmul
-
-TESTS = Path(__file__).resolve().parents[1]
-LOWER = cpu_features.runnable_tiers()[:-1]
+from kvflow.kernels import packed_matmul
 
 
 # Only a CPU with nothing below its own tier has nothing to run here (no such x86 CPU: generic is below all).
 @pytest.mark.skipif(not LOWER or not packed_matmul.available(), reason="no tier below this CPU's, or no kernels")
 @pytest.mark.parametrize("tier", LOWER)
 def test_exact_mode_invariance_on_a_lower_tier(tier):
-    selection = [str(TESTS / "engine" / "test_invariance_tiny.py")]
-    env = {**os.environ, "KVFLOW_ISA": tier}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selection],
-                          env=env, cwd=TESTS.parent, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout and "failed" not in done.stdout
+    assert_passes_on_tier(tier, ["engine/test_invariance_tiny.py"])

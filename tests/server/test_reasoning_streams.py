@@ -78,3 +78,24 @@ def test_ollama_thinking(thinking_server):
         "model": "tiny-thinker", "messages": MESSAGES, "stream": False, "options": {"temperature": 0, "num_predict": 12}})
     message = r.json()["message"]
     assert message["thinking"] and message["content"] == ""
+
+
+def test_include_reasoning_false_leaves_the_thinking_out(thinking_server):
+    """vLLM's include_reasoning: false drops the thinking, and, as vLLM, the logprobs and token ids that
+    would show it."""
+    client = OpenAI(base_url=f"{thinking_server.base_url}/v1", api_key="unused", max_retries=0)
+    extra = {"ignore_eos": True, "include_reasoning": False, "return_token_ids": True}
+    done = client.chat.completions.create(model="tiny-thinker", messages=MESSAGES, max_tokens=12, temperature=0,
+                                          logprobs=True, extra_body=extra)
+    choice = done.choices[0]
+    assert choice.message.content == "" and getattr(choice.message, "reasoning_content", None) is None
+    assert choice.logprobs is None and choice.token_ids is None and done.usage.completion_tokens == 12
+    chunks = list(client.chat.completions.create(model="tiny-thinker", messages=MESSAGES, max_tokens=12,
+                                                 temperature=0, logprobs=True, stream=True, extra_body=extra))
+    deltas = [c.choices[0] for c in chunks if c.choices]
+    assert not any(getattr(d.delta, "reasoning_content", None) or d.delta.content for d in deltas)
+    assert not any(d.logprobs or getattr(d, "token_ids", None) for d in deltas)
+    assert deltas[-1].finish_reason == "length"
+    shown = client.chat.completions.create(model="tiny-thinker", messages=MESSAGES, max_tokens=12, temperature=0,
+                                           extra_body={"ignore_eos": True, "include_reasoning": True})
+    assert shown.choices[0].message.reasoning_content

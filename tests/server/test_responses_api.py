@@ -74,7 +74,8 @@ def test_stream_events_in_order(client):
 def test_stateless_refusals(agent_server, client):
     with pytest.raises(openai.BadRequestError, match="previous_response_id"):
         client.responses.create(model=DEFAULT_NAME, input="hi", previous_response_id="resp_123")
+    # an item kvflow cannot read is left out (test_codex_wire.py), which here leaves nothing to answer
     r = post(agent_server, "/v1/responses", {"input": [{"type": "computer_call", "id": "x"}]})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "input.0.type"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"
     assert httpx.get(f"{agent_server.base_url}/openapi.json").json()["paths"]["/v1/responses"]
     assert_still_serves(agent_server)

@@ -18,6 +18,10 @@ ANSWERS = [
              '</tool_call>\n<tool_call>\n{"name": "read_file", "arguments": {"path": "src/main.py"}}\n</tool_call>',
      "I will look both up.\n", [("search", {"query": "a </tool_call> in text?"}), ("read_file", {"path": "src/main.py"})]),
     (HERMES, "The capital of France is Paris.", "The capital of France is Paris.", []),
+    # a custom tool's raw call (custom_tools.py): its name's JSON line, then its input up to the closing tag
+    (HERMES, 'Patching.\n<tool_call>\n{"name": "apply_patch"}\n*** Begin Patch\n*** Add File: a.txt\n+{"x": 1}\n'
+             '*** End Patch\n\n</tool_call>',
+     "Patching.\n", [("apply_patch", {"input": '*** Begin Patch\n*** Add File: a.txt\n+{"x": 1}\n*** End Patch\n'})]),
     (HERMES, "Use <tool_call> tags like <tool_call>not json</tool_call> to call.",
      "Use <tool_call> tags like <tool_call>not json</tool_call> to call.", []),
     (LLAMA3, '{"name": "get_weather", "parameters": {"city": "San Francisco"}}', "",

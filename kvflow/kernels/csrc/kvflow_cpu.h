@@ -85,6 +85,13 @@ int32_t kvflow_packed_refine_top(const KvflowPackedWeight* w, const float* x, in
                                  int64_t y_stride, const float* block_abs_sum, int32_t input_bits);
 
 // Rows ids[0..count) of w (output features), dequantized exactly as float32 into out [count, k].
+// y (bfloat16 [m, n], y_stride elements a row) = x (bfloat16 [m, k]) times w's transpose on AMX bfloat16
+// tiles, the weights dequantized on the fly (w = code * scale + offset rounded to bfloat16, as a dense
+// bfloat16 copy holds them), sums in float32. For prompt-sized steps where no copy is held. Returns 0; -1
+// where this library has no AMX bfloat16 (every tier but amx) or for a weight of 16-input blocks.
+int32_t kvflow_packed_matmul_bf16(const KvflowPackedWeight* w, const uint16_t* x, int64_t x_stride, int32_t m,
+                                  uint16_t* y, int64_t y_stride, int32_t num_threads);
+
 void kvflow_packed_rows(const KvflowPackedWeight* w, const int64_t* ids, int32_t count, float* out);
 
 // out[b] (k / block floats) = the largest sum of |w| over block b of an output row, each weight as

@@ -74,7 +74,7 @@ void amx_groups(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const R
     const uint8_t* group = w.data + static_cast<size_t>(g) * nb * chunk;
     if (widened)
       for (int64_t b = 0; b < nb; ++b) {
-        prefetch_ahead(group + b * chunk, chunk, false);
+        prefetch_ahead(group + b * chunk, chunk);
         widen_codes(group + b * chunk, w.bits, w.codebook, wide + b * 512);
       }
     const int64_t left = w.n - g * 16;
@@ -85,7 +85,7 @@ void amx_groups(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const R
       for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* at = group + b * chunk;
-        if (!widened && r0 == 0) prefetch_ahead(at, chunk, false);  // later row tiles read it again
+        if (!widened && r0 == 0) prefetch_ahead(at, chunk);
         _tile_loadd(2, widened ? wide + b * 512 : at, 64);
         _tile_loadd(0, rows.hi + r0 * rows.stride + b * kBlock, rows.stride);
         _tile_loadd(1, rows.lo + r0 * rows.stride + b * kBlock, rows.stride);

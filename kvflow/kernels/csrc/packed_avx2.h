@@ -185,7 +185,7 @@ void tile(const KvflowPackedWeight& w, int64_t g, int half, const Rows& rows, fl
     for (int h = 0; h < H; ++h) acc[r][h] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const size_t at = static_cast<size_t>(b) * chunk;
-    if (half == 0) prefetch_ahead(base + at, chunk, H == 2 && rows.stream);  // H 1: half 1 reads them again
+    if (half == 0) prefetch_ahead(base + at, chunk);
     // 16-bit sums over the block: [digit][nibble] (nibble 1: what is above the low nibble of 6- and 8-bit
     // codes). Every index is a compile-time constant, so the sums stay in registers (a run-time nibble
     // index put them on the stack, and the kernel ran at half speed).
@@ -313,7 +313,7 @@ void tile_wide(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* 
   alignas(32) int16_t x16[M][Block];  // each row's inputs of the block as 16-bit integers, 256 h + l
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* block = base + static_cast<size_t>(b) * chunk;
-    prefetch_ahead(block, chunk, rows.stream);
+    prefetch_ahead(block, chunk);
     for (int r = 0; r < M; ++r)
       for (int i = 0; i < Block; i += 16) {
         const __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows.hi + r * rows.stride + b * Block + i)));

@@ -50,7 +50,7 @@ void tile_vnni(const KvflowPackedWeight& w, int64_t g, int half, const Rows& row
     for (int h = 0; h < H; ++h) acc[r][h] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* block = base + static_cast<size_t>(b) * chunk;
-    if (half == 0) prefetch_ahead(block, chunk, H == 2 && rows.stream);  // H 1: half 1 reads them again
+    if (half == 0) prefetch_ahead(block, chunk);
     __m256i sum_hi[M][H], sum_lo[M][H];
     for (int r = 0; r < M; ++r)
       for (int h = 0; h < H; ++h) sum_hi[r][h] = sum_lo[r][h] = _mm256_setzero_si256();

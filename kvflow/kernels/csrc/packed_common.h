@@ -24,14 +24,11 @@ constexpr int32_t kMaxInt8 = 127;   // 8-bit inputs: one signed digit
 // and 4 KiB reached 43 to 60 (session 27); where memory is slower, the two are the same.
 constexpr size_t kPrefetchBytes = 4096;
 
-// The bytes kPrefetchBytes past block. stream: no later pass reads them (Rows::stream), so they are asked
-// for non-temporally and do not push out of the caches what stays in use there: the activations, the KV
-// cache, and the engine's own code and data between two steps.
-inline void prefetch_ahead(const uint8_t* block, size_t bytes, bool stream) {
-  if (stream)
-    for (size_t line = 0; line < bytes; line += 64) __builtin_prefetch(block + kPrefetchBytes + line, 0, 0);
-  else
-    for (size_t line = 0; line < bytes; line += 64) __builtin_prefetch(block + kPrefetchBytes + line, 0, 3);
+// The bytes kPrefetchBytes past block, into every cache level. Not non-temporally (PREFETCHNTA), even where
+// no later pass reads them: on a Zen 4 EPYC that was worth 0 to 3% of a decode step, and on an AMX Xeon it
+// left a decode step 2.6 times slower (session 33, benchmarks/RESULTS.md).
+inline void prefetch_ahead(const uint8_t* block, size_t bytes) {
+  for (size_t line = 0; line < bytes; line += 64) __builtin_prefetch(block + kPrefetchBytes + line, 0, 3);
 }
 
 struct Rows {  // the rows' inputs as digits h, l (int8 [m, k]; lo null for 8-bit inputs, a digit h alone) and
@@ -42,13 +39,12 @@ struct Rows {  // the rows' inputs as digits h, l (int8 [m, k]; lo null for 8-bi
   const float* scale;
   const float* sum;
   int64_t blocks;
-  bool stream = false;  // one pass takes every row: each weight byte is read once (prefetch_ahead)
   // The generic tier's: the inputs again as 16-bit integers 256 h + l, each 4 twice over (2 stride a row)
   const int16_t* wide = nullptr;
 
   Rows from(int r0) const {  // the rows from r0 on
     return {hi + r0 * stride, lo ? lo + r0 * stride : nullptr, stride, scale + r0 * blocks, sum + r0 * blocks, blocks,
-            stream, wide ? wide + 2 * r0 * stride : nullptr};
+            wide ? wide + 2 * r0 * stride : nullptr};
   }
 };
 
@@ -221,12 +217,10 @@ void run_groups(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const R
                 int64_t ys) {
   constexpr int64_t kGroupsAtOnce = 4;
   constexpr int R = Kernel::kRows;
-  Rows all = rows;
-  all.stream = m <= (rows.lo ? Kernel::kTwoDigitRows : R);
   for (int64_t g0 = g_lo; g0 < g_hi; g0 += kGroupsAtOnce) {
     const int64_t g1 = g0 + kGroupsAtOnce < g_hi ? g0 + kGroupsAtOnce : g_hi;
     for (int r0 = 0; r0 < m; r0 += R)
-      rows_block_for<Kernel, R>(m - r0 >= R ? R : m - r0, w, g0, g1, all.from(r0), y + r0 * ys, ys);
+      rows_block_for<Kernel, R>(m - r0 >= R ? R : m - r0, w, g0, g1, rows.from(r0), y + r0 * ys, ys);
   }
 }
 

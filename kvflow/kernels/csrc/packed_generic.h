@@ -53,7 +53,7 @@ void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, in
     for (int q = 0; q < 4; ++q) out[r][q] = zerof();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* block = base + static_cast<size_t>(b) * chunk;
-    prefetch_ahead(block, chunk, rows.stream);
+    prefetch_ahead(block, chunk);
     const int16_t* x = rows.wide + 2 * b * inputs;  // row r's at x + 2 r stride
     for (int q = 0; q < 4; ++q) {
       dots acc[M][2];
@@ -98,7 +98,6 @@ void tiles(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& 
 
 struct Generic : ScalarQuantizer {
   static constexpr int kRows = 4;
-  static constexpr int kTwoDigitRows = kRows;  // both digits in one pass
   // Rows with their inputs as 16-bit integers (Rows::wide), each unit of 4 twice over as one 16-bit step
   // takes it: made once a call, not once per column group. Valid until this thread's next call.
   static Rows widened(const Rows& rows, int m) {

@@ -31,6 +31,10 @@ constexpr int32_t kPath = 4;
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define KVFLOW_HAVE_AMX 1
 #include "packed_amx.h"
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define KVFLOW_HAVE_AMX_BF16 1
+#include "packed_amx_bf16.h"
+#endif
 #endif
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include "packed_avx2.h"
@@ -148,6 +152,32 @@ extern "C" int32_t kvflow_packed_matmul(const KvflowPackedWeight* w, const float
     kvflow::packed::run_groups<Kernel>(*w, g_lo, g_hi, rows, m, y, y_stride);
   });
   return 0;
+}
+
+extern "C" int32_t kvflow_packed_matmul_bf16(const KvflowPackedWeight* w, const uint16_t* x, int64_t x_stride,
+                                             int32_t m, uint16_t* y, int64_t y_stride, int32_t num_threads) {
+#ifdef KVFLOW_HAVE_AMX_BF16
+  if (!kvflow::packed::valid_layout(*w) || w->block != kBlock || m <= 0 || x_stride < w->k || y_stride < w->n ||
+      !kvflow::amx_permitted())
+    return -1;
+  // The last rows short of a whole pair of tiles, zero-padded: a tile reads 32 rows.
+  const int full = m / 32 * 32;
+  thread_local std::vector<uint16_t> tail;
+  tail.assign(static_cast<size_t>(32) * w->k, 0);
+  for (int r = full; r < m; ++r)
+    std::memcpy(tail.data() + static_cast<size_t>(r - full) * w->k, x + r * x_stride, sizeof(uint16_t) * w->k);
+  const int64_t groups = (w->n + 15) / 16, pairs = (groups + 1) / 2;
+  const uint16_t* padded = tail.data();
+  kvflow::parallel(num_threads > 0 ? num_threads : 1, [&](kvflow::Team& workers) {
+    const int t = workers.thread(), nt = workers.threads();
+    const int64_t g_lo = 2 * (pairs * t / nt), g_hi = std::min<int64_t>(groups, 2 * (pairs * (t + 1) / nt));
+    if (g_lo < g_hi) kvflow::packed::amx_bf16_groups(*w, g_lo, g_hi, x, x_stride, padded, m, y, y_stride);
+  });
+  return 0;
+#else
+  (void)w, (void)x, (void)x_stride, (void)m, (void)y, (void)y_stride, (void)num_threads;
+  return -1;  // only the AMX tier's library has it
+#endif
 }
 
 extern "C" int32_t kvflow_packed_matmul_many(const KvflowPackedWeight* w, int32_t count, const int32_t* rows,

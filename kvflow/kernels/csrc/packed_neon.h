@@ -67,7 +67,7 @@ void tile(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float* y, in
     for (int q = 0; q < 4; ++q) acc[r][q] = vdupq_n_f32(0.f);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* block = base + static_cast<size_t>(b) * chunk;
-    prefetch_ahead(block, chunk, rows.stream);
+    prefetch_ahead(block, chunk);
     int32x4_t dot_h[M][4], dot_l[M][4];  // [row][quarter: 4 columns]
     for (int r = 0; r < M; ++r)
       for (int q = 0; q < 4; ++q) dot_h[r][q] = dot_l[r][q] = vdupq_n_s32(0);
@@ -150,7 +150,6 @@ namespace kvflow::packed {
 
 struct Neon : ScalarQuantizer {
   static constexpr int kRows = 2;
-  static constexpr int kTwoDigitRows = kRows;  // both digits in one pass
   template <int M>
   static void rows_block(const KvflowPackedWeight& w, int64_t g_lo, int64_t g_hi, const Rows& rows, float* y,
                          int64_t ys) {

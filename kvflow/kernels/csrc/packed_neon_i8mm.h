@@ -40,7 +40,7 @@ void tile_two_rows(const KvflowPackedWeight& w, int64_t g, const Rows& rows, flo
     for (int q = 0; q < 4; ++q) acc[r][q] = vdupq_n_f32(0.f);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* block = base + static_cast<size_t>(b) * chunk;
-    prefetch_ahead(block, chunk, rows.stream);
+    prefetch_ahead(block, chunk);
     // [column pair p: columns 2p, 2p + 1] -> {2p row 0, 2p row 1, 2p + 1 row 0, 2p + 1 row 1}
     int32x4_t sum_h[8], sum_l[8];
     for (int p = 0; p < 8; ++p) sum_h[p] = sum_l[p] = vdupq_n_s32(0);

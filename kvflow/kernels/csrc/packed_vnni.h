@@ -137,7 +137,7 @@ void tile_group(const KvflowPackedWeight& w, int64_t g, const Rows& rows, float*
     __m512i sum_hi[M], sum_lo[M];
     for (int r = 0; r < M; ++r) sum_hi[r] = sum_lo[r] = _mm512_setzero_si512();
     const uint8_t* block = base + static_cast<size_t>(b) * chunk;
-    prefetch_ahead(block, chunk, rows.stream);
+    prefetch_ahead(block, chunk);
     auto step = [&](int quad, __m512i codes) {  // codes: 16 columns x inputs 4 quad .. 4 quad + 3
       for (int r = 0; r < M; ++r) {
         sum_hi[r] = _mm512_dpbusd_epi32(sum_hi[r], codes, broadcast4(rows.hi + r * rows.stride + b * Block + 4 * quad));

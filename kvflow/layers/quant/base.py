@@ -5,7 +5,8 @@ grows with the row count. Many rows (prefill), past `max_kernel_rows` (which the
 bfloat16 matmuls are native): weights are dequantized to bfloat16 one tile of output rows at a time and
 multiplied through oneDNN, so no full-size float copy of the weights is kept; a tile is at most
 `tile_bytes` of bfloat16. Eager dequantization costs about as much as a 512-row matmul, so
-`cache_dense_bf16()` trades 2 bytes a weight for the fastest prefill. Both paths round activations to
+`cache_dense_bf16()` trades 2 bytes a weight for the fastest prefill, except where `dense_bf16_into`
+multiplies the packed weights on AMX bfloat16 tiles directly (as fast, no copy). Both paths round activations to
 bfloat16 and accumulate in float32; the result comes back in the input's dtype.
 """
 
@@ -67,9 +68,19 @@ class QuantLinear(nn.Module):
             y = y + self.bias.to(x.dtype)
         return y.reshape(*lead, self.out_features)
 
+    def dense_bf16_into(self, x: torch.Tensor, out: torch.Tensor) -> bool:
+        """out (bfloat16 [M, out_features]) = x (bfloat16 [M, in_features]) @ W^T straight from the stored
+        weights, the values a bfloat16 copy would hold (AMX tiles: packed_matmul.matmul_bf16). False where
+        this layer's format or this CPU has no such kernel."""
+        return False
+
     def _tiled_mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense_bf16 is not None:
             return torch.nn.functional.linear(x, self.dense_bf16)
+        if getattr(self, "dense_from_packed", False) and not torch.compiler.is_compiling():
+            y = torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
+            if self.dense_bf16_into(x, y):  # set where model_setup found the AMX tiles take this layer
+                return y
         row_bytes = 2 * self.in_features
         step = max(self.tile_align, self.tile_bytes // row_bytes // self.tile_align * self.tile_align)
         n = self.out_features

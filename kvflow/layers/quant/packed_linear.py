@@ -52,6 +52,9 @@ class PackedLinear(QuantLinear):
             y = y + self.bias
         return y.to(x.dtype).reshape(*lead, self.out_features)
 
+    def dense_bf16_into(self, x: torch.Tensor, out: torch.Tensor) -> bool:
+        return packed_matmul.takes_bf16_tiles(self.packed) and packed_matmul.matmul_bf16(x, self.packed, out)
+
     def cache_dense_bf16(self) -> None:
         """The bfloat16 copy for many-row steps, filled a tile of rows at a time: dequantizing all rows at
         once would hold float32 temporaries several times the copy's size (the load's peak memory)."""

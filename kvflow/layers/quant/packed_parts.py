@@ -50,6 +50,16 @@ class PackedParts(QuantLinear):
             w = torch.cat([w, w.new_zeros(stop - self.out_features, self.in_features)])
         return w.t()
 
+    def dense_bf16_into(self, x: torch.Tensor, out: torch.Tensor) -> bool:
+        if not all(packed_matmul.takes_bf16_tiles(p.packed) for p in self.parts):
+            return False
+        first = 0
+        for part in self.parts:  # each part's columns of out, side by side
+            if not packed_matmul.matmul_bf16(x, part.packed, out[:, first : first + part.out_features]):
+                return False
+            first += part.out_features
+        return True
+
     def cache_dense_bf16(self) -> None:
         self.dense_bf16 = torch.cat([_dense(p) for p in self.parts])
 
