@@ -74,6 +74,9 @@ def make_session(client: str, base_url: str, root: Path, bin_dir: Path, trim: bo
     served = Served(base_url, MODEL, CONTEXT)
     setup = setup_client(client, served, _FOLDERS[client](home))
     env.update(setup.env)
+    if client == "openclaw":  # no update check, no LAN announcement, no channels or cron for a one-shot run
+        env.update({"OPENCLAW_NO_AUTO_UPDATE": "1", "OPENCLAW_DISABLE_BONJOUR": "1", "OPENCLAW_SKIP_CHANNELS": "1",
+                    "OPENCLAW_SKIP_CRON": "1", "OPENCLAW_NO_RESPAWN": "1"})
     argv = [*setup.argv, *(_TRIM[client](home, work, served) if trim else [])]
     notes = str(work / NOTES)
     tool = {"codex": ("exec_command", {"cmd": f"cat {NOTES}"}), "claude": ("Read", {"file_path": notes}),
