@@ -147,6 +147,8 @@ async def parse_body(request: Request, model: type[M]) -> M:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad_request(f"the body is not valid JSON: {exc}", None, "invalid_json") from None
+    except RecursionError:  # arrays or objects nested past Python's recursion limit (a few kB of brackets)
+        raise bad_request("the body's JSON is nested too deeply", None, "invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request("the body must be a JSON object", None, "invalid_json")
     try:

@@ -57,3 +57,13 @@ def test_the_limits_leave_the_engine_empty(default_server):
         httpx.post(default_server.base_url + path, json=body, timeout=60)
     assert default_server.metric("kvflow:num_requests_waiting") == 0
     assert default_server.metric("kvflow:num_requests_running") == 0
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/api/chat"])
+def test_json_nested_past_the_recursion_limit_is_a_400(default_server, path):
+    """json.loads raises RecursionError (not a JSONDecodeError) on a few kB of brackets: that was a 500."""
+    deep = '{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    response = httpx.post(default_server.base_url + path, content=deep, timeout=60,
+                          headers={"Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert "nested too deeply" in response.text
