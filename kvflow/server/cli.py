@@ -16,7 +16,7 @@ import sys
 import threading
 
 from kvflow.cli_options import add_engine_options, engine_options, parse_bytes
-from kvflow.server.serving import DEFAULT_MAX_BODY_BYTES
+from kvflow.server.serving import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N
 
 
 def _positive_int(text: str) -> int:
@@ -49,6 +49,8 @@ def add_serve_parser(subparsers) -> None:
     g.add_argument("--served-model-name", default=None, help="the model name the APIs report and accept")
     g.add_argument("--max-body-size", type=parse_bytes, default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies get 413 (default: 4MiB)")
+    g.add_argument("--max-n", type=_positive_int, default=DEFAULT_MAX_N, metavar="N",
+                   help=f"the most choices (n) one request may ask for; more get a 400 naming n (default: {DEFAULT_MAX_N})")
     g.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds to let responses in flight finish on SIGTERM/SIGINT")
     g.add_argument("--no-ui", action="store_true", help="no chat page at GET / (a line of text instead)")
@@ -112,7 +114,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(served_model_name=name, model_aliases=aliases, api_key=args.api_key,
                               max_waiting=args.max_waiting, max_body_bytes=args.max_body_size,
                               root_path=args.root_path, ui=not args.no_ui, metrics=not args.no_metrics,
-                              strict_max_tokens=args.strict_max_tokens)
+                              strict_max_tokens=args.strict_max_tokens, max_n=args.max_n)
     app = create_app(served, settings)
     config = uvicorn.Config(app, host=args.host, port=args.port, uds=args.uds, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_grace, access_log=False)
