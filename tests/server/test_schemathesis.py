@@ -29,7 +29,7 @@ from schemathesis.specs.openapi.checks import (
 
 from server.fuzz_cases import bound_body, closed_schema, error_shape_problem
 
-EXAMPLES = int(os.environ.get("KVFLOW_FUZZ_EXAMPLES", "8"))
+EXAMPLES = int(os.environ.get("KVFLOW_FUZZ_EXAMPLES", "6"))
 SEED = int(os.environ.get("KVFLOW_FUZZ_SEED", "50"))
 REQUEST_SECONDS = 30.0  # the most one fuzzed request may take (each generates at most 4 tokens a choice)
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
