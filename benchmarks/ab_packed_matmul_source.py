@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from ab_attention_source import library, sources_at
 
-from kvflow.kernels import build, cpu_features, packed_matmul
+from kvflow.kernels import build, cpu_features, packed_weight
 from kvflow.layers.quant import quantize_weight
 
 SHAPES = ((960, 576), (3072, 576), (576, 1536))  # (n, k) of SmolLM2-135M's packed layers
@@ -63,7 +63,7 @@ def main() -> None:
         bq = quantize_weight(torch.randn(n, k, generator=g) * 0.05, "int4" if args.bits == 4 else "int8", args.block)
         q = bq.q >> 2 if args.bits == 6 else bq.q  # 6-bit codes: the 8-bit ones' top six bits
         offset = bq.offset.half().float() if args.bits == 4 else -128.0 * bq.scale.half().float()
-        weights.append(packed_matmul.pack(q, bq.scale.half().float(), offset, bq.group_size, args.bits))
+        weights.append(packed_weight.pack(q, bq.scale.half().float(), offset, bq.group_size, args.bits))
     print(f"packed matmul, tier {args.tier}{' (tree: VNNI path)' if args.avx2_vnni else ''} "
           f"({cpu_features.cpu_name()}), {args.threads} threads, {args.bits}-bit codes, "
           f"{args.input_bits}-bit inputs; median of {args.rounds} rounds, microseconds for the three layers")

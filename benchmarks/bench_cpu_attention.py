@@ -111,7 +111,7 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=4096)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    ap.add_argument("--record", action="store_true", help="add the table to benchmarks/history/<today>.md (listed in RESULTS.md)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not paged_attention.available():

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.executors.thresholds import ROW_THRESHOLDS
-from kvflow.kernels import abi, packed_matmul
+from kvflow.kernels import abi, packed_matmul, packed_weight
 from kvflow.layers.quant import build_quant_linear, quantize_weight
 
 SHAPES = {  # name: (in, out)
@@ -67,7 +67,7 @@ def cell(k: int, n: int, rows: int, reps: int) -> dict[str, float]:
         for name, scheme in (("kv Q4_1", "int4"), ("kv Q8_0", "int8")):
             bq = quantize_weight(w, scheme, 32)
             bq.scale, bq.offset = bq.scale.half().float(), bq.offset.half().float()  # float16 scales, as GGUF
-            pw = packed_matmul.pack(bq.q, bq.scale, bq.offset, bq.group_size, bq.bits)
+            pw = packed_weight.pack(bq.q, bq.scale, bq.offset, bq.group_size, bq.bits)
             fns[name] = lambda pw=pw: packed_matmul.matmul(x, pw)
     fns["Q4_1 auto"] = lambda: q41(x)
     fns["Q8_0 auto"] = lambda: q80(x)

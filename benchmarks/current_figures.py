@@ -141,9 +141,9 @@ def refresh() -> None:
     text = RESULTS.read_text()
     if BEGIN in text:
         text = replace_between(text, BEGIN, END, table(summaries))
-    else:  # first time: after the file's opening paragraph, above the history
-        intro, sep, history = text.partition("\n## ")
-        text = f"{intro}\n{BEGIN}\n{table(summaries)}\n{END}\n\n# History\n{sep}{history}"
+    else:  # first time: after the file's opening paragraphs, above the list of history days (results_file.py)
+        intro, sep, history = text.partition("\n# History")
+        text = f"{intro.rstrip()}\n\n{BEGIN}\n{table(summaries)}\n{END}\n\n{sep.lstrip()}{history}"
     RESULTS.write_text(text)
     README.write_text(replace_between(README.read_text(), README_BEGIN, README_END, ratios_table(summaries)))
     print(table(summaries))

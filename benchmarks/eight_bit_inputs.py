@@ -90,7 +90,7 @@ def quality() -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--record", action="store_true", help="append the tables to benchmarks/RESULTS.md")
+    ap.add_argument("--record", action="store_true", help="add the tables to benchmarks/history/<today>.md (listed in RESULTS.md)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from kvflow.kernels import cpu_features

@@ -108,7 +108,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=8, choices=range(1, len(QUESTIONS) + 1))
-    parser.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    parser.add_argument("--record", action="store_true", help="add the table to benchmarks/history/<today>.md (listed in RESULTS.md)")
     args = parser.parse_args()
 
     questions = QUESTIONS[: args.concurrency]

@@ -26,12 +26,12 @@ from gpu_common import hf_config, shapes
 from gpu_kvflow import bench_kvflow, parity
 from gpu_transformers import bench_transformers
 
-from kvflow.bench import roofline
+from kvflow.machine import roofline
 
 
 # ---- probe and report ------------------------------------------------------------------------------------
 def probe(out: Path, budget: float, tiny: bool) -> None:
-    from kvflow.bench.probe import format_row, run_probe, save_probe
+    from kvflow.machine.probe import format_row, run_probe, save_probe
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     result = run_probe(device=device, quick=tiny, log=print)

@@ -139,7 +139,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=48, help="tokens walked through each grammar")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    parser.add_argument("--record", action="store_true", help="add the table to benchmarks/history/<today>.md (listed in RESULTS.md)")
     parser.add_argument("--out", type=Path, default=None, help="also save the figures as JSON")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

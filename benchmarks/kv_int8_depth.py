@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("--depths", default="2048,4096,7936")
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    parser.add_argument("--record", action="store_true", help="add the table to benchmarks/history/<today>.md (listed in RESULTS.md)")
     args = parser.parse_args()
     depths = [int(d) for d in args.depths.split(",")]
     loaded = load_model(ModelConfig(device="cpu", threads=args.threads, max_model_len=8192))

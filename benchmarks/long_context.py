@@ -73,7 +73,7 @@ def main() -> None:
     ap.add_argument("--type", default="Q8_0", help="llama.cpp file type (Q8_0, Q4_0, Q4_K_M...)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dir", default=None, help="where to write the GGUF files (default: a temporary folder)")
-    ap.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    ap.add_argument("--record", action="store_true", help="add the table to benchmarks/history/<today>.md (listed in RESULTS.md)")
     args = ap.parse_args()
     ensure_llamacpp()
     folder = Path(args.dir or tempfile.mkdtemp(prefix="kvflow-long-"))

@@ -175,7 +175,7 @@ KVFLOW_SPEED = r"""
 import json, sys
 import torch
 from kvflow.bench.latency import run_latency
-from kvflow.bench.probe import load_probe
+from kvflow.machine.probe import load_probe
 threads = int(sys.argv[2])
 torch.set_num_threads(threads)
 run = run_latency(sys.argv[1], [512], 128, [0], [1], reps=int(sys.argv[3]), probe=load_probe(), threads=threads)

@@ -2,7 +2,7 @@
 
 64 prompts of 100 to 1000 tokens, 128 output tokens each (EOS ignored), greedy. kvflow gets every prompt
 at once (continuous batching); transformers gets them in padded batches. Prints output tokens/s for both
-and the ratio, and appends a section to benchmarks/RESULTS.md with --record.
+and the ratio, and adds a section to the day's file of benchmarks/history/ with --record (results_file.py).
 
     python benchmarks/offline_throughput.py [--num-prompts 64] [--hf-batch-size 16] [--record]
 """
@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import torch
+from results_file import publish
 
 from kvflow import LLM, SamplingParams
 from kvflow.loader.resolve import resolve_model
@@ -72,7 +73,7 @@ def main() -> None:
     ap.add_argument("--hf-batch-size", type=int, default=16)
     ap.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--record", action="store_true", help="append the result to benchmarks/RESULTS.md")
+    ap.add_argument("--record", action="store_true", help="add the result to benchmarks/history/<today>.md (listed in RESULTS.md)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -106,11 +107,7 @@ def main() -> None:
         f"Ratio kvflow / transformers: **{k_rate / h_rate:.2f}x**",
         "",
     ]
-    print("\n".join(lines))
-    if args.record:
-        results = Path(__file__).parent / "RESULTS.md"
-        with results.open("a") as f:
-            f.write("\n".join(lines) + "\n")
+    publish("\n".join(lines), args.record)
 
 
 if __name__ == "__main__":

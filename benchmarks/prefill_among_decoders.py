@@ -25,7 +25,7 @@ import time
 from results_file import publish, table_section
 
 from kvflow import LLM, SamplingParams
-from kvflow.engine.step_history import StepHistory
+from kvflow.engine.stats import StepHistory
 from kvflow.kernels.cpu_features import cpu_name, isa_tier
 
 BASELINE_STEPS = 30
@@ -99,7 +99,7 @@ def main() -> None:
     ap.add_argument("--max-step-ms", type=float, default=200.0, help="max_step_ms for the bounded runs")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    ap.add_argument("--record", action="store_true", help="add the table to benchmarks/history/<today>.md (listed in RESULTS.md)")
     args = ap.parse_args()
     options = {"max_model_len": args.prompt + 2048} if args.model else {}
     llm = LLM(args.model, threads=args.threads, enable_prefix_caching=False, speculative_config="off", **options)

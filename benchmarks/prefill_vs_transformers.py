@@ -25,7 +25,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    ap.add_argument("--record", action="store_true", help="add the table to benchmarks/history/<today>.md (listed in RESULTS.md)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 

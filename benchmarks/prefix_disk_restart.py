@@ -56,7 +56,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=6000, help="context length (the default model's is 8192)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    parser.add_argument("--record", action="store_true", help="add the table to benchmarks/history/<today>.md (listed in RESULTS.md)")
     args = parser.parse_args()
     loaded = load_model(ModelConfig(device="cpu", threads=args.threads, max_model_len=8192))
     memory = 1 << 30

@@ -1,4 +1,5 @@
-"""kvflow against llama.cpp on the same GGUF file and thread count, in one run, written to RESULTS.md.
+"""kvflow against llama.cpp on the same GGUF file and thread count, in one run; with --record, the tables go to
+the day's file of benchmarks/history/ and the figures to RESULTS.md's current table (current_figures.py).
 
 1. the machine probe (bandwidth, matmul rate);
 2. pp512 and tg128 at batch 1: llama.cpp through llama-cpp-python (in its own virtualenv, installed by
@@ -178,14 +179,14 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=4096, help="context depth of the long-context decode test")
     ap.add_argument("--num-prompts", type=int, default=16, help="requests at concurrency 1 (twice that at 8)")
     ap.add_argument("--skip-serve", action="store_true")
-    ap.add_argument("--record", action="store_true", help="append the tables to benchmarks/RESULTS.md")
+    ap.add_argument("--record", action="store_true", help="add the tables to benchmarks/history/<today>.md (listed in RESULTS.md)")
     args = ap.parse_args()
     measured_at = current_figures.commit_measured()  # the code as it was when the run started
 
     import torch
 
     from kvflow.bench.latency import run_latency
-    from kvflow.bench.probe import run_probe, save_probe
+    from kvflow.machine.probe import run_probe, save_probe
 
     torch.set_num_threads(args.threads)
     gguf = default_gguf()

@@ -96,7 +96,7 @@ def main() -> None:
     parser.add_argument("--fixed", action="store_true",
                         help="draft k tokens every step (adaptive off): the plumbing checks of acceptance")
     parser.add_argument("--only", default=None, help="comma-separated workloads to run (default: all)")
-    parser.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    parser.add_argument("--record", action="store_true", help="add the table to benchmarks/history/<today>.md (listed in RESULTS.md)")
     args = parser.parse_args()
 
     loaded = load_model(ModelConfig(threads=args.threads))

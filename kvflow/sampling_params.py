@@ -6,6 +6,11 @@ from dataclasses import dataclass, field
 
 from kvflow.structured.spec import StructuredOutput
 
+# Every generated token is checked against each stop string, and text that may begin one is held back, so a
+# request's stop strings cost each step (of every request in the batch) time in their number and length.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+
 
 @dataclass
 class SamplingParams:
@@ -79,6 +84,10 @@ class SamplingParams:
             raise bad("min_tokens", f"must not exceed max_tokens ({self.max_tokens})")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"SamplingParams.stop: at most {MAX_STOP_STRINGS} stop strings of at most "
+                             f"{MAX_STOP_CHARS} characters each, got {len(self.stop)} of up to "
+                             f"{max(len(s) for s in self.stop)}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
         for name in ("logprobs", "prompt_logprobs"):

@@ -48,6 +48,27 @@ def _same_random_draws():
     torch.manual_seed(0)
 
 
+KERNEL_TESTS = Path(__file__).resolve().parent / "kernels"
+
+
+@pytest.fixture(scope="session")
+def kernel_tuning() -> None:
+    """The kernels run as the executors configure them: with the row-count crossovers of their table."""
+    from kvflow.executors.thresholds import ROW_THRESHOLDS
+    from kvflow.kernels import abi
+
+    if abi.native() is not None:
+        abi.native().kvflow_set_tuning(tuning=ROW_THRESHOLDS.kernel_tuning())
+
+
+@pytest.fixture(autouse=True)
+def _kernel_tests_tuned(request: pytest.FixtureRequest) -> None:
+    # tests/kernels is a plain folder (tests/test_layout.py says why), so a conftest.py there would be imported
+    # as `conftest` and hide this one from the tests that import it: its tests get their fixture from here.
+    if KERNEL_TESTS in request.node.path.parents:
+        request.getfixturevalue("kernel_tuning")
+
+
 @pytest.fixture(scope="session")
 def default_gguf() -> Path:
     return default_gguf_path()

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvflow.layers.attention import kv_int8, reference
+from kvflow.kernels import kv_int8
+from kvflow.layers.attention import reference
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -30,6 +30,8 @@ INVALID = [
     ("min_tokens", -1),
     ("stop", [""]),
     ("stop", ["ok", 3]),
+    ("stop", [f"s{i}" for i in range(65)]),  # each step checks every stop string: their count is bounded
+    ("stop", ["x" * 1025]),  # and so is their length (text that may begin one is held back and re-scanned)
     ("stop_token_ids", [-1]),
     ("stop_token_ids", ["2"]),
     ("logprobs", -1),

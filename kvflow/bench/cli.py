@@ -79,7 +79,7 @@ def _add_plot(sub: Any) -> None:
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
-    from kvflow.bench.probe import run_probe, save_probe
+    from kvflow.machine.probe import run_probe, save_probe
 
     def log(line: str) -> None:
         print(line, flush=True)

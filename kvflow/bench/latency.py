@@ -23,7 +23,12 @@ from typing import Any
 
 import torch
 
-from kvflow.bench.probe import (
+from kvflow.config import engine_config
+from kvflow.executors.model_figures import prefill_matmul_kind, weight_bytes_read_per_step
+from kvflow.executors.model_setup import load_model
+from kvflow.kernels import cpu_features, packed_matmul
+from kvflow.llm import LLM
+from kvflow.machine.probe import (
     bandwidth_bytes_per_s,
     load_probe,
     matmul_flop_per_s,
@@ -31,12 +36,7 @@ from kvflow.bench.probe import (
     run_probe,
     save_probe,
 )
-from kvflow.bench.roofline import ModelShape
-from kvflow.config import engine_config
-from kvflow.executors.model_figures import prefill_matmul_kind, weight_bytes_read_per_step
-from kvflow.executors.model_setup import load_model
-from kvflow.kernels import cpu_features, packed_matmul
-from kvflow.llm import LLM
+from kvflow.machine.roofline import ModelShape
 from kvflow.sampling_params import SamplingParams
 
 

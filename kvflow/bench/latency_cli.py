@@ -27,8 +27,8 @@ def add_latency_parser(bench_sub: Any) -> None:
 
 def cmd_latency(args: argparse.Namespace) -> int:
     from kvflow.bench.latency import markdown_table, run_latency, save_report
-    from kvflow.bench.probe import load_probe
     from kvflow.cli_options import engine_options
+    from kvflow.machine.probe import load_probe
 
     options = engine_options(args)
     model = options.pop("model")

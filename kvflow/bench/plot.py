@@ -4,7 +4,7 @@ Each input's kind is read from its content:
 
 * ``"kind": "latency"`` (written by ``kvflow bench latency``)::
 
-      {"kind": "latency", "model": str, "probe": {...probe JSON, see kvflow.bench.probe...},
+      {"kind": "latency", "model": str, "probe": {...probe JSON, see kvflow.machine.probe...},
        "results": [{"test": "pp512", "n_prompt": 512, "n_gen": 0, "depth": 0, "batch": 1,
                     "tokens_per_s": float, "roofline_tokens_per_s": float,
                     "fraction_of_roofline": float}, ...]}

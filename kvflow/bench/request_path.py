@@ -3,7 +3,7 @@
 Starts the real server app (uvicorn on 127.0.0.1, the default model unless --model says otherwise),
 sends one warm-up chat request, then profiles every thread while a second one runs: each kvflow file in
 which a function is entered counts once. Prints the files in the order they were first entered and their
-count; with --json, writes them too. The goal for the house is at most 19 files (README, "Layout").
+count; with --json, writes them too. The goal is at most 16 files (README, "Layout").
 
     kvflow bench path [--model PATH] [--stream] [--json out.json]
 """

@@ -85,8 +85,11 @@ class Ranks:
             self._watcher.join()  # it sees _stopping within one poll
 
 
-def start(model_config: ModelConfig) -> Ranks | None:
-    """Join (or make) the group model_config.tensor_parallel_size asks for; None for a single process."""
+def start(model_config: ModelConfig, worker_module: str) -> Ranks | None:
+    """Join (or make) the group model_config.tensor_parallel_size asks for; None for a single process.
+
+    The other ranks run `python -m worker_module` (the engine's rank loop, named by the engine so that this
+    package need not know it)."""
     size = model_config.tensor_parallel_size
     if size == 1 and not group.launched_by_torchrun():
         return None
@@ -98,13 +101,13 @@ def start(model_config: ModelConfig) -> Ranks | None:
     if group.launched_by_torchrun():
         tp = group.join_from_env(size, model_config.device)
         if tp.rank != 0:
-            raise RuntimeError("only rank 0 builds the engine; the other ranks run kvflow.distributed.worker.run")
+            raise RuntimeError(f"only rank 0 builds the engine; the other ranks run {worker_module}.run")
         return Ranks(tp, [])
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     # Fresh interpreters running kvflow's own entry point: no copied threads or torch state, and unlike
     # multiprocessing's spawn, the caller's script is not imported again (no `if __name__` guard needed).
     config = json.dumps(dataclasses.asdict(model_config))
-    processes = [subprocess.Popen([sys.executable, "-m", "kvflow.distributed.worker", str(rank), str(size),
+    processes = [subprocess.Popen([sys.executable, "-m", worker_module, str(rank), str(size),
                                    init_method, config])
                  for rank in range(1, size)]
     log.info("tensor parallelism: %d ranks on this machine (gloo), rank 0 serves", size)

@@ -25,7 +25,6 @@ from kvflow.config import EngineConfig
 from kvflow.engine.async_engine import (
     EngineDeadError,
     EngineFrontEnd,
-    EngineStats,
     RequestStream,
     _call_soon,
     _resolve,
@@ -33,9 +32,9 @@ from kvflow.engine.async_engine import (
 )
 from kvflow.engine.core_output import CoreOutput
 from kvflow.engine.core_process import CoreInfo, core_main
-from kvflow.engine.engine import tokenize_prompt
+from kvflow.engine.intake import tokenize_prompt
 from kvflow.engine.output_assembly import RequestAssembler
-from kvflow.engine.step_history import StepHistory
+from kvflow.engine.stats import EngineStats, StepHistory
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
 

@@ -24,9 +24,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kvflow.config import EngineConfig
-from kvflow.engine.async_engine import EngineDeadError, EngineFrontEnd, EngineStats, RequestStream
+from kvflow.engine.async_engine import EngineDeadError, EngineFrontEnd, RequestStream
 from kvflow.engine.block_pool import hash_block_tokens
 from kvflow.engine.core_client import EngineCoreClient
+from kvflow.engine.stats import EngineStats
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
 

@@ -1,7 +1,8 @@
 """LLMEngine: the synchronous step loop. schedule -> forward -> sample -> update -> detokenize -> outputs.
 
 Everything here runs on the caller's thread; the server wraps it in a background thread
-(async_engine.py) so HTTP work never stalls a step.
+(async_engine.py) so HTTP work never stalls a step. How requests enter and leave (validation, the
+sequences of a request, aborts) is intake.py; the logprobs a request asks for, logprobs.py.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import json
 import logging
 import time
 import weakref
-from collections.abc import Sequence
 from concurrent.futures import Future
 
 import torch
@@ -20,38 +20,35 @@ import torch
 from kvflow.config import EngineConfig
 from kvflow.distributed import launch as tp_launch
 from kvflow.distributed.step_channel import CacheLayout, Driver
-from kvflow.engine.detokenizer import NO_DETOKENIZER, IncrementalDetokenizer, add_tokens
+from kvflow.engine import rank_worker
+from kvflow.engine.detokenizer import add_tokens
+from kvflow.engine.intake import RequestIntake
 from kvflow.engine.kv_cache_alloc import bytes_per_block
+from kvflow.engine.logprobs import LogprobRecording
 from kvflow.engine.prefix_store import DiskPrefixStore
 from kvflow.engine.prefix_tier import DiskTier, store_namespace
-from kvflow.engine.prompt_scoring import score_prompt
 from kvflow.engine.request import Request, RequestGroup, RequestStatus, SequenceState
 from kvflow.engine.runner import ModelRunner
 from kvflow.engine.scheduler import Scheduler
-from kvflow.engine.scheduler_output import ScheduledSequence, SchedulerOutput
+from kvflow.engine.scheduler_output import SchedulerOutput
 from kvflow.engine.speculation import Speculator, kept_tokens
+from kvflow.engine.stats import StepHistory, StepRecord
 from kvflow.engine.step_budget import is_decode
-from kvflow.engine.step_history import StepHistory, StepRecord
 from kvflow.executors.model_setup import LoadedModel, ModelSummary, load_model, set_threads
 from kvflow.layers.sampler import Sampler, SamplingRow, position_generator
-from kvflow.outputs import Logprob, RequestOutput
+from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.spec.config import resolve as resolve_speculation
 from kvflow.spec.sources import build_source
 from kvflow.structured.compiler import GrammarCompiler
 from kvflow.structured.mask_prefetch import MaskPrefetcher, has_idle_core
-from kvflow.structured.sequence_grammar import SequenceGrammar
 
 log = logging.getLogger("kvflow")
 
+class LLMEngine(RequestIntake, LogprobRecording):
+    """One model's engine: requests come in (intake.py), each step() schedules, runs the forward, samples,
+    and hands back the outputs of the requests it moved (logprobs.py scores what was asked for)."""
 
-def tokenize_prompt(tokenizer, prompt: str) -> list[int]:
-    # A prompt rendered by a chat template often starts with BOS already: don't add a second one.
-    bos = tokenizer.bos_token
-    return tokenizer(prompt, add_special_tokens=not (bos and prompt.startswith(bos))).input_ids
-
-
-class LLMEngine:
     def __init__(
         self, config: EngineConfig, attention_backend: str = "auto", loaded: LoadedModel | None = None
     ) -> None:
@@ -62,7 +59,7 @@ class LLMEngine:
         if loaded is not None and config.model.tensor_parallel_size > 1:
             raise ValueError("tensor parallelism loads each rank's shard itself: pass a model, not loaded_model")
         # The other ranks of a tensor-parallel group (kvflow/distributed), started before this rank loads.
-        self.ranks = tp_launch.start(config.model) if loaded is None else None
+        self.ranks = tp_launch.start(config.model, rank_worker.__name__) if loaded is None else None
         # An engine dropped without close() (a notebook's `LLM(...)` replaced by another) still stops its
         # ranks and leaves the group, when it is collected: the next engine starts from a clean process.
         self._stop_ranks = weakref.finalize(self, self.ranks.stop) if self.ranks is not None else None
@@ -161,15 +158,6 @@ class LLMEngine:
                                              self.eos_token_ids[0] if self.eos_token_ids else None)
         return self._grammars
 
-    # ---- requests --------------------------------------------------------------------------------------
-    def _eos_ids(self) -> list[int]:
-        ids = list(self.loaded.arch.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in ids:
-            ids.insert(0, self.tokenizer.eos_token_id)
-        return ids
-
-    def tokenize(self, prompt: str) -> list[int]:
-        return tokenize_prompt(self.tokenizer, prompt)
 
     @functools.cached_property
     def model_summary(self) -> ModelSummary:
@@ -190,120 +178,6 @@ class LLMEngine:
         self.scheduler.kv_cache_manager.reset_stats()
         self.num_steps = 0
         self.step_history = StepHistory()
-
-    def next_request_id(self) -> str:
-        self._counter += 1
-        return f"req-{self._counter}"
-
-    def add_request(
-        self,
-        request_id: str | None,
-        prompt: str | Sequence[int],
-        params: SamplingParams | None = None,
-        arrival_time: float | None = None,
-    ) -> str:
-        """Queue a request; raises ValueError (with both lengths) when it cannot fit the context."""
-        params = params or SamplingParams()
-        request_id = request_id or self.next_request_id()
-        if request_id in self.groups:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        text = prompt if isinstance(prompt, str) else None
-        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        self._check_prompt(token_ids, params)
-        if params.structured_output is not None:
-            self.grammars.compile(params.structured_output)  # a GrammarError (ValueError) before queueing
-        group = RequestGroup(request_id, text, token_ids, params, children_to_fork=params.n - 1)
-        first = self._new_sequence(group, 0, request_id if params.n == 1 else f"{request_id}#0", arrival_time)
-        self.scheduler.add_request(first.request)  # raises ValueError if it can never fit the pool
-        self.groups[request_id] = group
-        self.sequences[first.request.request_id] = first
-        return request_id
-
-    def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
-        n = len(token_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {n} tokens but the model's context is {self.max_model_len} tokens "
-                f"(at least one must be left to generate)"
-            )
-        vocab = self.loaded.arch.vocab_size
-        if any(t < 0 or t >= vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        for name in ("logit_bias", "logprob_token_ids"):
-            outside = [t for t in getattr(params, name) or () if t >= vocab]
-            if outside:
-                raise ValueError(f"SamplingParams.{name}: token id {outside[0]} is outside the vocabulary [0, {vocab})")
-        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"the prompt has {n} tokens and max_tokens is {params.max_tokens}: together more than "
-                f"the model's context of {self.max_model_len} tokens"
-            )
-
-    def _new_sequence(
-        self, group: RequestGroup, index: int, engine_id: str, arrival_time: float | None
-    ) -> SequenceState:
-        params = group.params
-        if not params.ignore_eos and len(self.eos_token_ids) > 1:
-            # Extra end-of-turn ids (Llama 3's <|eot_id|>...) stop like EOS does.
-            extra = [t for t in self.eos_token_ids[1:] if t not in params.stop_token_ids]
-            params = _with_stop_ids(params, extra)
-        request = Request(engine_id, group.prompt_token_ids, params, self.eos_token_ids[0] if self.eos_token_ids
-                          else None, arrival_time)
-        if params.prompt_logprobs is not None and index == 0 and request.num_prompt_tokens > 1:
-            request.prompt_logits_from = 0  # the first sequence scores the prompt for the group
-        seed = None if params.seed is None else params.seed + index
-        state = SequenceState(
-            group_id=group.request_id,
-            index=index,
-            request=request,
-            detokenizer=(IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids, params) if self.detokenize
-                         else NO_DETOKENIZER),
-            seed=seed,
-            logprobs=[] if params.logprobs is not None else None,
-            cumulative_logprob=0.0 if params.logprobs is not None else None,
-            grammar=None if params.structured_output is None else SequenceGrammar(self.grammars,
-                                                                                 params.structured_output),
-        )
-        group.sequences.append(state)
-        return state
-
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now and free its blocks; returns its final output (finish_reason "abort")."""
-        group = self.groups.pop(request_id, None)
-        if group is None:
-            return None
-        group.children_to_fork = 0
-        for seq in group.sequences:
-            self.scheduler.abort_request(seq.request.request_id)
-            self.sequences.pop(seq.request.request_id, None)
-            if self.speculator is not None:
-                self.speculator.forget(seq.request)
-            if seq.finish_reason is None:
-                seq.finish_reason = "abort"
-        return group.output()
-
-    def stop_sequence(self, request_id: str, index: int, stop_string: str) -> bool:
-        """End one sequence of a request on a stop string its front end matched (engine/output_assembly.py)
-        and free its blocks; True when that ended the whole request (it is then forgotten: its front end has
-        already given the caller its last output)."""
-        group = self.groups.get(request_id)
-        if group is None or index >= len(group.sequences):
-            return False
-        seq = group.sequences[index]
-        if seq.finish_reason is None:
-            self.scheduler.finish_request(seq.request.request_id, RequestStatus.FINISHED_STOPPED, stop_string)
-            seq.finish_reason = "stop"
-            if self.speculator is not None:
-                self.speculator.forget(seq.request)
-        if group.finished:
-            self._drop(group)
-            return True
-        return False
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.groups)
 
     # ---- one step --------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -439,41 +313,6 @@ class LLMEngine:
                 s.finish_reason = "abort"
         touched.add(group.request_id)
 
-    def _record_prompt_logprobs(self, logits: torch.Tensor, spans: list, touched: set[str]) -> None:
-        """Score the prompt tokens of this step's spans (engine/runner.PromptSpan): each logits row
-        predicts the token one position after its own. A span recomputed after a preemption adds nothing."""
-        logprobs = torch.log_softmax(logits, dim=-1)
-        row = 0
-        for span in spans:
-            rows, row = logprobs[row:row + span.count], row + span.count
-            seq = self.sequences.get(span.request_id)
-            if seq is None or seq.group_id not in self.groups:
-                continue
-            try:
-                score_prompt(self.groups[seq.group_id], seq.request, span.start, rows, self._token_text)
-            except Exception as exc:  # noqa: BLE001 - one request's failure must not end the others'
-                self._fail_group(seq, exc, touched)
-
-    def _fork_children(self, sched: SchedulerOutput, group: RequestGroup, parent: SequenceState) -> list:
-        """n > 1: once the prompt is computed, the other n - 1 sequences start from the parent's KV blocks."""
-        if group.children_to_fork == 0 or parent.index != 0:
-            return []
-        children = []
-        for index in range(1, group.children_to_fork + 1):
-            child = self._new_sequence(group, index, f"{group.request_id}#{index}", None)
-            child.request.timings.arrival_time = parent.request.timings.arrival_time
-            self.scheduler.fork_request(parent.request, child.request)
-            self.sequences[child.request.request_id] = child
-            if child.request.status == RequestStatus.RUNNING:
-                # Bookkeeping entry only (no tokens to compute): lets update_from_output append its token.
-                sched.scheduled.append(ScheduledSequence(
-                    child.request, child.request.num_computed_tokens, 0,
-                    self.scheduler.kv_cache_manager.get_block_ids(child.request.request_id), True,
-                ))
-                children.append(child)
-        group.children_to_fork = 0
-        return children
-
     def _sampling_row(self, seq: SequenceState, mask_words=None, drafted: list[int] | None = None) -> SamplingRow:
         """drafted: in a verify step, the draft tokens this row's position comes after (they count as
         output for penalties and min_tokens, as they will if kept)."""
@@ -492,22 +331,9 @@ class LLMEngine:
                            grammar.matcher, ends, self.grammars.closing_tokens if wrap_up else None,
                            grammar.in_string, mask_words)
 
-    def _token_text(self, ids: list[int]) -> str | None:
-        """A logprob entry's text, where this engine makes text."""
-        return self.tokenizer.decode(ids) if self.detokenize else None
-
     def _end_tokens(self, params: SamplingParams) -> list[int]:
         """The tokens that end a request: its stop ids, and EOS unless it ignores it."""
         return list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids)
-
-    def _record_logprobs(self, seq: SequenceState, token: int, lp: float | None, top) -> None:
-        entry: dict[int, Logprob] = {}
-        for rank, (tid, value) in enumerate(top or [], start=1):
-            entry[tid] = Logprob(value, rank, self._token_text([tid]))
-        if token not in entry:
-            entry = {token: Logprob(float(lp), 0, self._token_text([token])), **entry}  # rank 0: outside top-k
-        seq.logprobs.append(entry)
-        seq.cumulative_logprob += float(lp)
 
     def _process_tokens(self, request: Request) -> None:
         seq = self.sequences.get(request.request_id)
@@ -534,16 +360,6 @@ class LLMEngine:
                 seq.delta_text += seq.detokenizer.flush()
             seq.finish_reason = request.status.finish_reason
 
-    def _group_of(self, seq: SequenceState) -> RequestGroup:
-        return self.groups[seq.group_id]
-
-    def _drop(self, group: RequestGroup) -> None:
-        self.groups.pop(group.request_id, None)
-        for seq in group.sequences:
-            self.sequences.pop(seq.request.request_id, None)
-            if self.speculator is not None:
-                self.speculator.forget(seq.request)
-
     def _record_step(self, sched: SchedulerOutput, seconds: float) -> None:
         """The step's summary into the history the server's page draws (and the --trace file)."""
         decode = 0
@@ -568,11 +384,3 @@ class LLMEngine:
     def longest_request_tokens(self) -> int:
         """The most tokens one request can hold in the KV pool (the server fits max_tokens to it)."""
         return self.scheduler.kv_cache_manager.capacity_tokens(self.config.scheduler.max_num_batched_tokens)
-
-
-def _with_stop_ids(params: SamplingParams, extra: list[int]) -> SamplingParams:
-    if not extra:
-        return params
-    from dataclasses import replace
-
-    return replace(params, stop_token_ids=list(params.stop_token_ids) + extra)

@@ -8,8 +8,8 @@ import math
 
 import torch
 
+from kvflow.kernels import kv_int8
 from kvflow.kernels.huge_pages import huge_page_zeros
-from kvflow.layers.attention import kv_int8
 from kvflow.models.arch import ArchConfig
 
 log = logging.getLogger("kvflow")
@@ -20,7 +20,7 @@ CUDA_DEFAULT_SHARE = 0.85  # of free device memory once the model is loaded
 
 
 def row_width(arch: ArchConfig, dtype: torch.dtype) -> int:
-    """A cache row's last dimension: head_dim values, and an 8-bit cache's scale (layers/attention/kv_int8.py)."""
+    """A cache row's last dimension: head_dim values, and an 8-bit cache's scale (kernels/kv_int8.py)."""
     return arch.head_dim + (kv_int8.SCALE_BYTES if dtype == torch.int8 else 0)
 
 

@@ -23,7 +23,7 @@ from kvflow.engine.kv_cache_alloc import (
 )
 from kvflow.executors.model_setup import LoadedModel, build_executor
 from kvflow.executors.plan import DTYPES
-from kvflow.layers.attention import kv_int8
+from kvflow.kernels import kv_int8
 from kvflow.layers.attention.metadata import AttentionMetadata
 
 log = logging.getLogger("kvflow")

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvflow.kernels import build, cpu_features, packed_matmul
+from kvflow.kernels import build, cpu_features, packed_matmul, packed_weight
 
 log = logging.getLogger("kvflow")
 
@@ -85,7 +85,7 @@ def measure_bf16_speedup() -> float:
     abi.native().kvflow_set_tuning(tuning=ROW_THRESHOLDS.kernel_tuning())  # the kernel as the engine runs it
     pw = packed_matmul.random_weight(OUT, IN)
     x = torch.randn(ROWS, IN, generator=torch.Generator().manual_seed(1))
-    dense = packed_matmul.dequantize(pw).to(torch.bfloat16)
+    dense = packed_weight.dequantize(pw).to(torch.bfloat16)
     xb = x.to(torch.bfloat16)
     return median_time_ratio(lambda: packed_matmul.matmul(x, pw), lambda: F.linear(xb, dense))
 

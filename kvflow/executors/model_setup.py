@@ -25,7 +25,7 @@ from kvflow.executors.model_figures import prefill_matmul_kind, weight_bytes_rea
 from kvflow.executors.native_model import NativeModel, reason_unsupported
 from kvflow.executors.plan import ExecutionPlan, plan_execution
 from kvflow.executors.thresholds import ROW_THRESHOLDS
-from kvflow.kernels import abi, packed_matmul
+from kvflow.kernels import abi, packed_matmul, packed_weight
 from kvflow.layers.linear import Linear
 from kvflow.layers.quant.base import QuantLinear
 from kvflow.layers.quant.packed_linear import PackedLinear
@@ -159,7 +159,7 @@ def prepare_model(loaded: LoadedModel) -> None:
         abi.native().kvflow_set_tuning(tuning=ROW_THRESHOLDS.kernel_tuning())
     if plan.fast_cpu:
         packed = [m.packed for m in model.modules() if isinstance(m, PackedLinear)]
-        packed_matmul.move_to_huge_pages(packed)
+        packed_weight.move_to_huge_pages(packed)
         # The native decoder runs a whole step in one C++ call: no room for the ranks' sums between layers.
         native = loaded.tensor_parallel is None and reason_unsupported(model) is None
         # Its dense path has no experts: a mixture of experts runs natively on the packed kernel alone, so

@@ -10,10 +10,9 @@ import ctypes
 
 import torch
 
-from kvflow.kernels import abi
-from kvflow.layers.attention import kv_int8
+from kvflow.kernels import abi, kv_int8
 
-CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}  # int8: layers/attention/kv_int8.py
+CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}  # int8: kernels/kv_int8.py
 
 
 def available() -> bool:

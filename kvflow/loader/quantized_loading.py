@@ -19,7 +19,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from kvflow.kernels import packed_matmul
+from kvflow.kernels import packed_weight
 from kvflow.layers.linear import Linear
 from kvflow.layers.quant import (
     QuantLinear,
@@ -45,7 +45,7 @@ def pack_gguf(model: nn.Module, raw_tensors: Iterable[gguf_file.RawTensor], dtyp
     Returns the GGUF names consumed, for the float loader to skip. A fused layer (q/k/v, gate/up) is packed
     when all of its parts are packed types (as 8-bit codes where their widths differ); otherwise it loads as
     float. With a cache (loader/packed_cache.py), packed bytes an earlier load wrote are mapped, not rebuilt."""
-    with packed_matmul.packing_through(cache):
+    with packed_weight.packing_through(cache):
         consumed = _pack_all(model, raw_tensors, dtype)
     if cache is not None:
         cache.finish()
@@ -54,7 +54,7 @@ def pack_gguf(model: nn.Module, raw_tensors: Iterable[gguf_file.RawTensor], dtyp
 
 def _pack_all(model: nn.Module, raw_tensors: Iterable[gguf_file.RawTensor], dtype: torch.dtype) -> set[str]:
     raws = {r.hf_name.removeprefix("model."): r for r in raw_tensors}
-    packed_matmul.start_arena()
+    packed_weight.start_arena()
     tied = model.arch.tie_word_embeddings
     consumed: set[str] = set()
     for name, module in list(model.named_modules()):
@@ -108,7 +108,7 @@ def _pack_experts(model: nn.Module, name: str, moe: SparseMoE, raws: dict) -> se
             layer = gguf_linear([(p.data, p.qtype) for p in parts])
         except UnpackableCodes:
             continue
-        views = (packed_matmul.split_rows(layer.packed, layer.out_features // len(moe.experts))
+        views = (packed_weight.split_rows(layer.packed, layer.out_features // len(moe.experts))
                  if isinstance(layer, PackedLinear) else None)
         if views is None:
             continue

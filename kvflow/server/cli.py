@@ -50,6 +50,8 @@ def add_serve_parser(subparsers) -> None:
     # so `kvflow launch` and `--help` start without torch)
     g.add_argument("--max-body-size", type=parse_bytes, default=None,
                    help="larger request bodies get 413 (default: 4MiB)")
+    g.add_argument("--max-n", type=_positive_int, default=None, metavar="N",
+                   help="the most choices (n) one request may ask for; more get a 400 naming n (default: 16)")
     g.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds to let responses in flight finish on SIGTERM/SIGINT")
     g.add_argument("--no-ui", action="store_true", help="no chat page at GET / (a line of text instead)")
@@ -79,20 +81,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvflow.config import engine_config
-    from kvflow.distributed import group, worker
+    from kvflow.distributed import group
+    from kvflow.engine import rank_worker
     from kvflow.engine.async_engine import AsyncEngine, build_off_the_main_thread
     from kvflow.engine.core_client import EngineCoreClient
     from kvflow.engine.data_parallel import DataParallelClient
     from kvflow.engine.engine import LLMEngine
     from kvflow.loader.resolve import DEFAULT_MODEL
     from kvflow.server.app import create_app
-    from kvflow.server.serving import DEFAULT_MAX_BODY_BYTES, ServerSettings
+    from kvflow.server.serving import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N, ServerSettings
 
     # --log-level sets kvflow's own lines too (at info: one per finished request, by its id); -v still means info.
     logging.getLogger("kvflow").setLevel(logging.INFO if args.verbose else args.log_level.upper())
     options = engine_config(**engine_options(args))
     if group.launched_by_torchrun() and int(os.environ["RANK"]) != 0:  # rank 0 serves; the others run its steps
-        return worker.torchrun_main(options.model)
+        return rank_worker.torchrun_main(options.model)
     if args.data_parallel_size > 1:
         if group.launched_by_torchrun():
             raise SystemExit("kvflow serve: --data-parallel-size runs its replicas on this machine; across "
@@ -113,7 +116,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               max_waiting=args.max_waiting,
                               max_body_bytes=DEFAULT_MAX_BODY_BYTES if args.max_body_size is None else args.max_body_size,
                               root_path=args.root_path, ui=not args.no_ui, metrics=not args.no_metrics,
-                              strict_max_tokens=args.strict_max_tokens)
+                              strict_max_tokens=args.strict_max_tokens, max_n=DEFAULT_MAX_N if args.max_n is None else args.max_n)
     app = create_app(served, settings)
     config = uvicorn.Config(app, host=args.host, port=args.port, uds=args.uds, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_grace, access_log=False)

@@ -10,6 +10,7 @@ import re
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from starlette.types import Scope
 
 # HTTP status -> (OpenAI error type, metrics kind)
 _KINDS = {
@@ -78,10 +79,16 @@ def from_value_error(exc: ValueError, param_names: dict[str, str] | None = None)
     return APIError(400, message, param)
 
 
+def route_path(scope: Scope) -> str:
+    """The path without the --root-path prefix the server may be mounted at."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root):
+        return path[len(root):] or "/"
+    return path
+
+
 def error_response(request: Request, error: APIError) -> JSONResponse:
     """The error in the shape of the API the path belongs to: Ollama's, Anthropic's, or OpenAI's."""
-    from kvflow.server.middleware import route_path
-
     path = route_path(request.scope)
     if path.startswith("/api/"):
         body = {"error": error.message}

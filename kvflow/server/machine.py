@@ -1,7 +1,7 @@
 """What this machine allows the served model, for the page's "decode at 78% of what memory bandwidth allows".
 
 Decode cannot beat bandwidth / (bytes of weights a step reads + the K/V of the sequence's context), and
-prefill cannot beat matmul rate / FLOPs per prompt token (kvflow/bench/roofline.py). The model's side is
+prefill cannot beat matmul rate / FLOPs per prompt token (kvflow/machine/roofline.py). The model's side is
 known once it is loaded; the machine's side comes from the probe (`kvflow bench probe`), saved on disk,
 or measured on request (POST /kvflow/probe, about 20 seconds, during which serving slows down).
 """
@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from kvflow.bench import probe as probes
-from kvflow.bench.roofline import ModelShape
 from kvflow.executors.model_setup import ModelSummary
 from kvflow.kernels import cpu_features
+from kvflow.machine import probe as probes
+from kvflow.machine.roofline import ModelShape
 
 log = logging.getLogger("kvflow")
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvflow.server.errors import APIError, error_response
+from kvflow.server.errors import APIError, error_response, route_path
 
 # Answered without the key: /health, so load balancers can probe; the page and its files, which ask for
 # the key and send it with every request they make.
@@ -26,14 +26,6 @@ def _is_open(path: str) -> bool:
 async def _reject(scope: Scope, receive: Receive, send: Send, error: APIError, on_error: OnError) -> None:
     on_error(error)
     await error_response(Request(scope, receive), error)(scope, receive, send)
-
-
-def route_path(scope: Scope) -> str:
-    """The path without the --root-path prefix the server may be mounted at."""
-    path, root = scope["path"], scope.get("root_path", "")
-    if root and path.startswith(root):
-        return path[len(root):] or "/"
-    return path
 
 
 class RootPathMiddleware:

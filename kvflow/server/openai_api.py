@@ -27,6 +27,7 @@ from kvflow.server.protocol import ChatCompletionRequest, CompletionRequest, Sam
 from kvflow.server.serving import (
     abort_on_disconnect,
     check_constraint,
+    check_request_size,
     collect,
     get_state,
     iterate,
@@ -68,6 +69,7 @@ async def create_completion(request: Request):
     params = body.validate_request()
     check_constraint(state, params, body.structured_output()[1])
     given = body.prompts()
+    check_request_size(state, len(given), body.n)  # before any prompt is read: a batch may be huge
     prompts, prompt_ids = prompt_inputs(state.engine.engine, body, given)
     shown = prompts if body.truncate_prompt_tokens is not None else given  # what echo repeats: what ran
     echo_texts = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in shown] if body.echo else []

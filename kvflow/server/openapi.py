@@ -1,11 +1,14 @@
 """The OpenAPI description at /openapi.json (and its page at /docs). Routes read their bodies themselves
 (serving.parse_body, for kvflow's error messages), so FastAPI cannot see them: each route names its body
-model here, and the models' JSON schemas are added to the description's components."""
+model here, and the models' JSON schemas are added to the description's components. What each route
+answers (its success body or stream, its errors in its API's shape) is filled in by openapi_responses.py."""
 
 from __future__ import annotations
 
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
+
+from kvflow.server import openapi_responses
 
 _MODELS: dict[str, type[BaseModel]] = {}
 _REF = "#/components/schemas/{model}"
@@ -27,7 +30,11 @@ def install(app) -> None:
             doc = get_openapi(title=app.title, version=app.version, routes=app.routes,
                               description="OpenAI- and Ollama-compatible inference server")
             _, top = models_json_schema([(m, "validation") for m in _MODELS.values()], ref_template=_REF)
-            doc.setdefault("components", {}).setdefault("schemas", {}).update(top.get("$defs", {}))
+            schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+            schemas.update(top.get("$defs", {}))
+            for unused in ("HTTPValidationError", "ValidationError"):  # FastAPI's 422, which kvflow never sends
+                schemas.pop(unused, None)
+            openapi_responses.document(doc)
             app.openapi_schema = doc
         return app.openapi_schema
 

@@ -23,9 +23,8 @@ from kvflow.engine.async_engine import AsyncEngine, EngineDeadError, RequestStre
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.server.context_fit import fit_context
-from kvflow.server.errors import APIError, bad_request, from_value_error
+from kvflow.server.errors import APIError, bad_request, from_value_error, route_path
 from kvflow.server.metrics import ServerMetrics
-from kvflow.server.middleware import route_path
 from kvflow.server.unknown_fields import unknown_fields
 from kvflow.structured.compiler import GrammarError
 
@@ -35,6 +34,10 @@ M = TypeVar("M", bound=BaseModel)
 
 DISCONNECT_POLL_S = 0.1
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+# What one request may ask for, so that no single body queues unbounded work: n choices per prompt
+# (--max-n; OpenAI allows up to 128, vLLM sets no bound) and prompts in a completions batch (OpenAI's 2048).
+DEFAULT_MAX_N = 16
+MAX_PROMPTS = 2048
 
 
 @dataclass
@@ -49,6 +52,7 @@ class ServerSettings:
     ui: bool = True  # the page at GET / (--no-ui: a line of text there instead)
     metrics: bool = True  # /metrics and the page's live data (--no-metrics: both 404)
     strict_max_tokens: bool = False  # --strict-max-tokens: max_tokens past the context is a 400, not clamped
+    max_n: int = DEFAULT_MAX_N  # --max-n: the most choices (n) one request may ask for per prompt
 
 
 def log_finished(out: RequestOutput) -> None:
@@ -142,6 +146,8 @@ async def parse_body(request: Request, model: type[M]) -> M:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad_request(f"the body is not valid JSON: {exc}", None, "invalid_json") from None
+    except RecursionError:  # arrays or objects nested past Python's recursion limit (a few kB of brackets)
+        raise bad_request("the body's JSON is nested too deeply", None, "invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request("the body must be a JSON object", None, "invalid_json")
     try:
@@ -153,9 +159,12 @@ async def parse_body(request: Request, model: type[M]) -> M:
 
 
 def _note_unknown_fields(request: Request, body: BaseModel) -> None:
+    names = unknown_fields(body)
+    if not names:
+        return
     state = get_state(request)
     route = route_path(request.scope)
-    for name in unknown_fields(body):
+    for name in names:
         if state.metrics.count_ignored_field(route, name):
             log.debug("ignoring the field %r on %s (kvflow does not know it)", name, route)
 
@@ -250,6 +259,7 @@ async def submit(
 ) -> list[RequestStream]:
     """Add every prompt (one engine request each); all or none: a refused prompt aborts the others. Each is
     tokenized here to fit it into the context (server/context_fit.py): max_tokens clamped to the room left."""
+    check_request_size(state, len(prompts), params.n)
     state.check_capacity(len(prompts))
     engine, strict = state.engine.engine, state.settings.strict_max_tokens
     pool = getattr(engine, "longest_request_tokens", None)
@@ -272,6 +282,15 @@ async def submit(
         _abort(streams)
         raise
     return streams
+
+
+def check_request_size(state: ServerState, num_prompts: int, n: int) -> None:
+    """A 400 naming the field when one request asks for more sequences than a request may: n above --max-n,
+    or more than MAX_PROMPTS prompts."""
+    if n > state.settings.max_n:
+        raise bad_request(f"n must be at most {state.settings.max_n} (--max-n), got {n}", "n")
+    if num_prompts > MAX_PROMPTS:
+        raise bad_request(f"a request may hold at most {MAX_PROMPTS} prompts, got {num_prompts}", "prompt")
 
 
 def _abort(streams: Sequence[RequestStream]) -> None:

@@ -24,7 +24,7 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 1000  # suffix: how many finished requests the index holds
     draft_kv_cache_memory: int = 256 << 20  # draft_model: bytes of its own KV cache
     # False: every sequence drafts num_speculative_tokens each step, whatever it earns (for measurement);
-    # True: as many as pay (spec/control.py), 0 included.
+    # True: as many as pay (engine/speculation.py), 0 included.
     adaptive: bool = True
 
     def __post_init__(self) -> None:

@@ -57,8 +57,9 @@ def _text(output: str | bytes | None) -> str:
     return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
-def make_session(client: str, base_url: str, root: Path, bin_dir: Path) -> AgentSession:
-    """`client` pointed at base_url (the test proxy), with HOME and working directory under root."""
+def make_session(client: str, base_url: str, root: Path, bin_dir: Path, trim: bool = True) -> AgentSession:
+    """`client` pointed at base_url (the test proxy), with HOME and working directory under root; trim=False
+    keeps the client's own system prompt and tools, as `kvflow launch` runs it (benchmarks/agent_sessions)."""
     home, work = root / "home", root / "work"
     home.mkdir(parents=True)
     work.mkdir(parents=True)
@@ -73,7 +74,10 @@ def make_session(client: str, base_url: str, root: Path, bin_dir: Path) -> Agent
     served = Served(base_url, MODEL, CONTEXT)
     setup = setup_client(client, served, _FOLDERS[client](home))
     env.update(setup.env)
-    argv = [*setup.argv, *_TRIM[client](home, work, served)]
+    if client == "openclaw":  # no update check, no LAN announcement, no channels or cron for a one-shot run
+        env.update({"OPENCLAW_NO_AUTO_UPDATE": "1", "OPENCLAW_DISABLE_BONJOUR": "1", "OPENCLAW_SKIP_CHANNELS": "1",
+                    "OPENCLAW_SKIP_CRON": "1", "OPENCLAW_NO_RESPAWN": "1"})
+    argv = [*setup.argv, *(_TRIM[client](home, work, served) if trim else [])]
     notes = str(work / NOTES)
     tool = {"codex": ("exec_command", {"cmd": f"cat {NOTES}"}), "claude": ("Read", {"file_path": notes}),
             "qwen": ("read_file", {"file_path": notes}), "openclaw": ("read", {"path": notes})}[client]

@@ -4,7 +4,8 @@ Every request a client sends passes through (streams included) and is recorded: 
 status and response text, from which `usage()` reads what the prefix cache served it. Two test-side changes
 may be made to a request's JSON body before it is forwarded, never in the server: `output_cap` bounds the
 answer's length (the default model rarely stops by itself on an agent's prompt, and Codex sends no bound
-at all), and `steer`, a function, may rewrite the body (to make the model call one of the client's tools).
+at all), and `steer`, a function, may rewrite the body (to make the model call one of the client's tools:
+`steered` marks the request it forced).
 Each request also gets an X-Request-Id of the proxy's own (`agent-1`, ...), for reading the server's log.
 """
 
@@ -111,7 +112,7 @@ class Exchange:
 @dataclass
 class AgentProxy:
     upstream: str
-    steer: Callable[[Exchange], dict | None] | None = None
+    steer: Callable[[Exchange], tuple[dict, bool] | None] | None = None  # (new body, forced a tool call)
     output_cap: int | None = None  # at most this many tokens per answer (steered answers: steered_cap)
     # A JSON schema every answer but the steered one is held to (response_format, Responses text.format,
     # Anthropic output_config.format), with tool_choice none: for clients that take an answer cut at its
@@ -161,7 +162,7 @@ class AgentProxy:
         if isinstance(exchange.body, dict) and exchange.is_generation:
             steered = self.steer(exchange) if self.steer is not None else None
             if steered is not None:
-                exchange.body, exchange.steered = steered, True
+                exchange.body, exchange.steered = steered
             if exchange.steered:  # room for the whole call, whatever bound the client set
                 cap_output(exchange, self.steered_cap, raise_to=True)
             else:

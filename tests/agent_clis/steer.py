@@ -40,13 +40,15 @@ def _name(tool: dict, api: str) -> str | None:
     return (tool.get("function") or {}).get("name") if api == "chat" else tool.get("name")
 
 
-def steer_to(tool_name: str, arguments: dict[str, str]) -> Callable[[Exchange], dict | None]:
+def steer_to(tool_name: str, arguments: dict[str, str]) -> Callable[[Exchange], tuple[dict, bool] | None]:
     """A steer function for AgentProxy: the first request offering `tool_name` is made to call it with
-    `arguments`; every other request passes unchanged."""
-    done = []
+    `arguments` (returned with True: forced); later requests offering it get the same pinned definition,
+    and no forced choice (False), so that their prompts start as the forced one's did and the prefix cache
+    serves them as it would the client's own (the definitions are part of the prompt)."""
+    forced: list[str] = []
 
-    def steer(exchange: Exchange) -> dict | None:
-        if done or exchange.body is None:
+    def steer(exchange: Exchange) -> tuple[dict, bool] | None:
+        if exchange.body is None:
             return None
         body = copy.deepcopy(exchange.body)
         api = exchange.api
@@ -56,15 +58,17 @@ def steer_to(tool_name: str, arguments: dict[str, str]) -> Callable[[Exchange], 
         tool = matches[0]
         if api == "chat":
             tool["function"]["parameters"] = pinned_schema(tool["function"].get("parameters") or {}, arguments)
-            body["tool_choice"] = {"type": "function", "function": {"name": tool_name}}
         elif api == "responses":
             tool["parameters"] = pinned_schema(tool.get("parameters") or {}, arguments)
-            body["tool_choice"] = {"type": "function", "name": tool_name}
         else:
             tool["input_schema"] = pinned_schema(tool.get("input_schema") or {}, arguments)
-            body["tool_choice"] = {"type": "tool", "name": tool_name}
-        done.append(exchange.request_id)
-        return body
+        if forced:
+            return body, False
+        body["tool_choice"] = ({"type": "function", "function": {"name": tool_name}} if api == "chat" else
+                               {"type": "function", "name": tool_name} if api == "responses" else
+                               {"type": "tool", "name": tool_name})
+        forced.append(exchange.request_id)
+        return body, True
 
     return steer
 

@@ -22,7 +22,11 @@ QWEN_ARGS = ["-p", "Say hello.", "--system-prompt", SHORT_PROMPT, "--core-tools"
 
 
 def _launch(args: list[str], root: Path, bin_dir: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    # kvflow's own caches (built kernels, packed weights) stay where they were: only launch's folder moves.
+    kvflow_cache = os.environ.get("KVFLOW_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvflow")
     env = {**os.environ, "HOME": str(root / "home"), "XDG_CACHE_HOME": str(root / "cache"),
+           "KVFLOW_CACHE_DIR": kvflow_cache,
            "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "NO_COLOR": "1"}
     for name in ("OPENAI_API_KEY", "OPENAI_BASE_URL", "KVFLOW_URL", "QWEN_HOME"):
         env.pop(name, None)
@@ -49,17 +53,19 @@ def test_launch_runs_a_client_on_the_server_it_finds(agent_bin, agent_cli_server
 
 
 def test_launch_starts_a_server_and_stops_it(agent_bin, tiny_model_dir, tmp_path):
+    """With no server at --url, launch starts one there (the tiny model, quick to load), runs the client
+    (here only for its version: the session tests above run real turns), then stops the server."""
     url = f"http://127.0.0.1:{free_port()}"
-    # A setting of the user's own in kvflow's folder survives launch's rewrite: here, a bound on answers
-    # (the tiny random model never stops by itself).
+    # A setting of the user's own in kvflow's folder survives launch's rewrite.
     folder = tmp_path / "cache" / "kvflow" / "launch" / "qwen"
     folder.mkdir(parents=True)
     (folder / "settings.json").write_text(json.dumps(
         {"model": {"generationConfig": {"samplingParams": {"max_tokens": 8}}}}))
-    serve_args = f"--model {tiny_model_dir} --kv-cache-memory 256MiB --dtype float32"
-    done = _launch(["qwen", "--url", url, f"--serve-args={serve_args}", "--", *QWEN_ARGS], tmp_path, agent_bin)
+    serve_args = f"--model {tiny_model_dir} --kv-cache-memory 64MiB --dtype float32"
+    done = _launch(["qwen", "--url", url, f"--serve-args={serve_args}", "--", "--version"], tmp_path, agent_bin)
     log = (tmp_path / "cache" / "kvflow" / "launch" / "serve.log").read_text()
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}\n{log[-3000:]}"
+    assert done.stdout.strip() == "0.15.10"
     assert "starting one" in done.stderr and TINY_NAME in log and "context 32768 tokens" in log
     assert "above the 4096 tokens this model was trained for" in log  # launch's context on a 4096 model
     settings = json.loads((folder / "settings.json").read_text())

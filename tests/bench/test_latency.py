@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from kvflow.bench.latency import weight_bytes_read_per_step
-from kvflow.bench.probe import save_probe
+from kvflow.machine.probe import save_probe
 
 PROBE = {
     "kind": "probe", "device": "cpu", "quick": True, "machine": {},

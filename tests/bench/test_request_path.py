@@ -1,9 +1,10 @@
-"""The request path stays short: a plain chat request to the real server runs code in at most 24 of
-kvflow's Python files (the ASGI middleware, the routes and the chat prompt, the engine, the scheduler and
-its step budget, the runner, the fast executor, the sampler, the metrics, the step history the server's
-page draws, and the n-gram speculation that is on by default on a CPU: engine/speculation.py and three
-files of spec/), none of them in loader/ or models/ (the fast CPU path runs the native decoder), and none
-of the tool-calling, reasoning or structured-output code it does not use."""
+"""The request path stays short: a plain chat request to the real server runs code in at most 26 of
+kvflow's Python files (nine of the server: the ASGI middleware, the route, the body's checks, the ignored
+and vLLM fields, the chat prompt, the context fit and the metrics; the sampling parameters; thirteen of the
+engine, from its asynchronous front and intake through the scheduler, the runner and its stats; the
+n-gram draft source of the speculation that is on by default on a CPU; the fast executor and the
+sampler), none of them in loader/ or models/ (the fast CPU path runs the native decoder), and none of the
+tool-calling, reasoning or structured-output code it does not use."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from kvflow.bench.request_path import trace_chat_request
 from kvflow.kernels import packed_matmul
 
-MAX_FILES = 27  # up from 24 with the wire tolerance and vLLM fields (issue 50, 51); issue 53 brings it down
+MAX_FILES = 26  # issue 53's goal is 16: the rest waits on the server's one chat pipeline (README, "Layout")
 
 
 # Without a C++ compiler the PyTorch layers carry the step (models/, layers/): a longer path by design.

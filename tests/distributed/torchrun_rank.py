@@ -14,7 +14,7 @@ import torch
 
 from kvflow import SamplingParams
 from kvflow.config import ModelConfig
-from kvflow.distributed import worker
+from kvflow.engine import rank_worker
 
 PROMPTS = [{"prompt_token_ids": [5, 9, 33, 100, 7]}, {"prompt_token_ids": list(range(3, 70))}]
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -24,7 +24,7 @@ OPTIONS = dict(dtype="float32", kv_cache_memory=8 << 20)
 def main(model: str, out: str) -> int:
     world = int(os.environ["WORLD_SIZE"])
     if int(os.environ["RANK"]) != 0:
-        return worker.torchrun_main(ModelConfig(model=model, dtype="float32", device="cpu", threads=1,
+        return rank_worker.torchrun_main(ModelConfig(model=model, dtype="float32", device="cpu", threads=1,
                                                 tensor_parallel_size=world))
     sys.path.insert(0, os.path.dirname(__file__))
     from tp_helpers import run_capturing_logits

@@ -2,7 +2,7 @@
 own): test_invariance.py's tests on the tiny model with a float16 and an 8-bit cache
 (test_invariance_tiny.py), forced with KVFLOW_ISA in a fresh process. (The
 default model's packed variant took 31 s a tier; the head-size-specialised attention paths that the tiny
-model's heads do not reach are checked row by row on every tier in tests/kernel_tests/test_tiers.py.)"""
+model's heads do not reach are checked row by row on every tier in tests/kernels/test_tiers.py.)"""
 
 from __future__ import annotations
 

@@ -107,7 +107,7 @@ def table_gguf(tmp_path_factory, default_gguf):
 
 def test_iq4_weights_stay_packed_as_four_bit_indices_and_answer(table_gguf):
     """IQ4_NL and IQ4_XS run as 4-bit indices into their codebook (4.5 bits a weight read, not 8.5; the
-    kernels' sums are checked bitwise on every tier in kernel_tests), and the model still answers."""
+    kernels' sums are checked bitwise on every tier in tests/kernels), and the model still answers."""
     llm = LLM(str(table_gguf), threads=2, max_model_len=1024)
     layer = llm.engine.runner.model.layers[0]
     for proj in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):

@@ -86,7 +86,7 @@ def test_replicas_of_tensor_parallel_ranks_answer_as_one_engine(tiny_model_dir, 
     server = ServerProcess("--model", str(tiny_model_dir), "--dp", "2", "--tp", "2", "--threads", "1",
                            "--dtype", "float32", "--kv-cache-memory", "16MiB")
     try:
-        ranks = [pid for pid, cmd in descendants(server.proc.pid) if "kvflow.distributed.worker" in cmd]
+        ranks = [pid for pid, cmd in descendants(server.proc.pid) if "kvflow.engine.rank_worker" in cmd]
         assert len(core_pids(server)) == 2 and len(ranks) == 2, descendants(server.proc.pid)
         prompts = ["Once upon a time", "The capital of France is"]
         for prompt in prompts * 2:  # two conversations: one per replica (the least loaded), then where each is

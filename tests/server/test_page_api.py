@@ -76,8 +76,8 @@ def test_no_ui_and_the_key(tiny_model_dir):
 
 
 def test_the_machine_probe_runs_once_at_a_time_and_is_kept(default_loaded, monkeypatch, tmp_path):
-    from kvflow.bench import probe as probes
     from kvflow.kernels import cpu_features
+    from kvflow.machine import probe as probes
     from kvflow.server.machine import MachineLimits
 
     monkeypatch.setenv("KVFLOW_PROBE", str(tmp_path / "probe.json"))

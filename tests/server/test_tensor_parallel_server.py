@@ -36,7 +36,7 @@ def test_split_server_answers_as_the_whole_model_and_reports_a_dead_rank(split_s
                                        stream=True, extra_body={"ignore_eos": True})
     chunks = iter(stream)
     next(chunks)
-    ranks = [pid for pid, cmd in descendants(split_server.proc.pid) if "kvflow.distributed.worker" in cmd]
+    ranks = [pid for pid, cmd in descendants(split_server.proc.pid) if "kvflow.engine.rank_worker" in cmd]
     assert len(ranks) == 1, f"expected one spawned rank, found {ranks}"
     subprocess.run(["kill", "-9", str(ranks[0])], check=True)
     killed = time.monotonic()

@@ -1,16 +1,17 @@
 // Causal attention of prompt chunks on AMX tiles: bfloat16 products with float32 sums, float32 softmax.
-// The fast mode's many-row prefill attention (kvflow/kernels/many_rows_attention.py).
+// The native decoder's attention for prompt chunks on AMX CPUs (csrc/decoder_forward.cpp).
 //
 // A chunk's attention is two matmul-shaped products per head, Q K^T and P V. A tile op multiplies 16 x 32
-// by 32 x 16 bfloat16 values at once, where float32 FMAs take hundreds of instructions. Work items are
-// 16 query rows of one head of one sequence, in two passes over the keys they see:
-//   1. scores, 16 keys per tile, from Q (the A operand, as stored) and K packed as B tiles; each row's max;
-//   2. probabilities 2^(x - max) in AVX-512, rounded to bfloat16, then P V summed in four tiles
-//      (64 output dims) across all keys.
-// With the max known up front there is no running rescale of the output (an online softmax rescaled
-// and reduced per block of keys, which cost more than the tile ops). B tiles hold pairs of values along
-// the summed dimension in one 32-bit word, so K and V are read from the paged cache (through the block
-// table) and repacked once per call, shared by all query heads of a KV head and all their rows.
+// by 32 x 16 bfloat16 values at once, where float32 FMAs take hundreds of instructions. A work item is a
+// block of query rows of one sequence for all the query heads of one KV head (about 64 rows), taken
+// flash-style over blocks of 256 keys: scores 16 keys per tile, a running max and sum per row with the
+// probabilities 2^(x - max) in AVX-512 rounded to bfloat16, then P V in four tiles (64 output dims) and
+// the output rescaled when a row's max rose. Each block's K/V tiles are read once for all the item's
+// rows and stay in cache while they are used: at a depth of 16K an item that read all keys for every 16
+// rows of every head moved 18 GB per layer through the caches. B tiles hold pairs of values along the
+// summed dimension in one 32-bit word, so K and V are read from the paged cache (through the block table)
+// and repacked once per call, shared by all query heads of a KV head and all their rows.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -33,6 +34,7 @@ namespace {
 #ifdef KVFLOW_HAVE_AMX_BF16
 constexpr int kRows = 16;  // query rows per work item: one tile's rows
 constexpr int kKeys = 64;  // keys per score step (four tiles); keys are padded to a multiple
+constexpr int kItemRows = 64;  // query rows (all heads of a KV head) that share each K/V tile read
 
 void configure_tiles() {  // eight tiles of 16 rows x 64 bytes; the configuration is per thread
   kvflow::TileConfig c;
@@ -49,19 +51,16 @@ inline __m512 load16(const T* p) {  // float32, bfloat16 bits or float16
 }
 inline __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
 
-// 2^t, to about 3e-6 relative: far inside the bfloat16 rounding (4e-3) the probabilities get before P V,
-// at half the work of a float32-exact exp. Degree-5 Taylor polynomial on the fraction, scalef for the
-// power; t below -126 gives at most 2^-126 (callers mask what must be zero).
+// 2^t, to 7.5e-5 relative: far inside the bfloat16 rounding (2e-3) the probabilities get before P V, at a
+// third of the work of a float32-exact exp. A degree-3 polynomial on the fraction (fitted for least
+// relative error on [-0.5, 0.5]), scalef for the power, which gives 0 far below the float range.
 inline __m512 exp2_coarse(__m512 t) {
-  t = _mm512_max_ps(t, _mm512_set1_ps(-126.f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);  // in [-0.5, 0.5]
-  __m512 p = _mm512_set1_ps(1.3333558e-3f);  // ln(2)^k / k!, k = 5 down to 0
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  __m512 p = _mm512_set1_ps(0.055171604f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24261112f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.693261f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.99992807f));
   return _mm512_scalef_ps(p, n);
 }
 
@@ -192,60 +191,113 @@ void value_group(const uint16_t* p, int p_stride, int keys, int d, const uint32_
 
 struct Scratch {  // per thread, grown as needed
   std::vector<uint16_t> q_rows, p;
-  std::vector<float> s, pv;
+  std::vector<float> s, pv, out, max, sum;
 };
 
-// Rows [r0, r0 + 16) of query head h of sequence `seq`, against its packed K/V.
-void attend_block(const float* q, int64_t q_stride, int d, float scale, const Sequence& seq, int h,
-                  int r0, const uint32_t* k_tiles, const uint32_t* v_tiles, uint16_t* out, int64_t out_stride,
-                  Scratch& w) {
-  const int rows = seq.lq - r0 < kRows ? seq.lq - r0 : kRows;
-  const int offset = seq.lk - seq.lq;  // row r sits at position offset + r and sees keys [0, offset + r]
-  const int keys = ((offset + r0 + rows - 1) / kKeys + 1) * kKeys;  // the keys any of the rows sees, padded
-  w.q_rows.resize(kRows * d);
-  w.s.resize(static_cast<size_t>(kRows) * keys);
-  w.p.resize(static_cast<size_t>(kRows) * keys);
-  w.pv.resize(kRows * d);
-  uint16_t* q_rows = w.q_rows.data();
-  float* s = w.s.data();
-  uint16_t* p = w.p.data();
-  for (int r = 0; r < kRows; ++r) {  // the rows as one A tile; rows past the chunk are zeros
-    uint16_t* dst = q_rows + r * d;
-    if (r < rows) {
-      const float* src = q + static_cast<int64_t>(seq.q_row + r0 + r) * q_stride + h * d;
-      for (int j = 0; j < d; j += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), to_bf16(load16(src + j)));
-    } else {
-      std::memset(dst, 0, d * 2);
+// The rows one work item attends: R consecutive query rows of one sequence for every query head of one
+// KV head (group * R rows, R a multiple of 16), so that each K/V tile read serves all of them. Tile t
+// holds rows [16 t, 16 t + 16) in head-major order: head t / (R / 16), rows r0 + 16 (t % (R / 16)) on.
+struct ItemRows {
+  int r0, rows;    // first chunk row and how many of the R are real (the rest are zero rows)
+  int group, per;  // query heads per KV head; tiles per head (R / 16)
+  int tiles() const { return group * per; }
+  int last_row(int t) const { return r0 + (t % per) * kRows + kRows - 1; }  // chunk row of the tile's last row
+};
+
+// Rows r0 .. r0 + R - 1 of the query heads of KV head hk, flash-style: keys in blocks of kBlock, a running
+// max and sum per row, and the output rescaled when the max rises. The per-block rescale is a few
+// vector ops per row against kBlock keys of tile products, so blocks of 256 keys make it small, while
+// the block's K/V tiles (32 KB each) stay in L1/L2 for all group * R rows.
+constexpr int kBlock = 256;
+
+void attend_item(const float* q, int64_t q_stride, int d, float scale, const Sequence& seq, int hk, const ItemRows& it,
+                 const uint32_t* k_tiles, const uint32_t* v_tiles, uint16_t* out, int64_t out_stride, Scratch& w) {
+  const int tiles = it.tiles(), n = tiles * kRows;
+  const int offset = seq.lk - seq.lq;  // chunk row r sits at position offset + r and sees keys [0, offset + r]
+  const int last_key = offset + it.r0 + it.rows - 1;  // the last key any real row sees
+  w.q_rows.resize(static_cast<size_t>(n) * d);
+  w.s.resize(static_cast<size_t>(kRows) * kBlock);
+  w.p.resize(static_cast<size_t>(kRows) * kBlock);
+  w.pv.resize(static_cast<size_t>(kRows) * d);
+  w.out.assign(static_cast<size_t>(n) * d, 0.f);
+  w.max.assign(n, -INFINITY);
+  w.sum.assign(n, 0.f);
+  for (int t = 0; t < tiles; ++t) {  // the rows as A tiles; rows past the chunk are zeros
+    const int h = hk * it.group + t / it.per;
+    for (int i = 0; i < kRows; ++i) {
+      const int r = it.r0 + (t % it.per) * kRows + i;
+      uint16_t* dst = w.q_rows.data() + (static_cast<int64_t>(t) * kRows + i) * d;
+      if (r < it.r0 + it.rows) {
+        const float* src = q + static_cast<int64_t>(seq.q_row + r) * q_stride + h * d;
+        for (int j = 0; j < d; j += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), to_bf16(load16(src + j)));
+      } else {
+        std::memset(dst, 0, d * 2);
+      }
     }
   }
-  for (int kb = 0; kb < keys / kKeys; ++kb) score_block(q_rows, d, k_tiles, kb, s, keys);
-  // Softmax in base 2: scores times scale * log2(e), then 2^(x - max), the same probabilities.
-  const __m512 scale2 = _mm512_set1_ps(scale * 1.44269504f);
-  float inv_sum[kRows];
-  for (int r = 0; r < kRows; ++r) {
-    const float* sr = s + static_cast<int64_t>(r) * keys;
-    uint16_t* pr = p + static_cast<int64_t>(r) * keys;
-    const int last = offset + r0 + r;  // last key this row sees (padding rows see as far; never stored)
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int j = 0; j <= last && j < keys; j += 16)
-      mx = _mm512_mask_max_ps(mx, visible_lanes(j, last), mx, _mm512_loadu_ps(sr + j));
-    const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-    __m512 total = _mm512_setzero_ps();
-    for (int j = 0; j < keys; j += 16) {
-      const __mmask16 keep = visible_lanes(j, last);
-      __m512 e = _mm512_setzero_ps();
-      if (keep) e = _mm512_maskz_mov_ps(keep, exp2_coarse(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(sr + j), shift), scale2)));
-      total = _mm512_add_ps(total, e);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), to_bf16(e));
+  const float scale2 = scale * 1.44269504f;  // softmax in base 2: the same probabilities
+  const int chunks = d / 32, groups = d / 16;
+  for (int k0 = 0; k0 <= last_key; k0 += kBlock) {
+    const uint32_t* kt = k_tiles + static_cast<int64_t>(k0 / 16) * chunks * 256;
+    const uint32_t* vt = v_tiles + static_cast<int64_t>(k0 / 32) * groups * 256;
+    // One tile of rows at a time, its scores and probabilities in L1, the block's K/V tiles in L1/L2 for all.
+    for (int t = 0; t < tiles; ++t) {
+      const int tile_last = std::min(offset + it.last_row(t), last_key);
+      if (tile_last < k0) continue;  // sees none of this block (nor any after it)
+      const int tile_keys = std::min(kBlock, (tile_last - k0) / kKeys * kKeys + kKeys);  // padded to kKeys
+      const uint16_t* qa = w.q_rows.data() + static_cast<int64_t>(t) * kRows * d;
+      for (int kb = 0; kb < tile_keys / kKeys; ++kb) score_block(qa, d, kt, kb, w.s.data(), kBlock);
+      // Per row: the new max, the rescale of what was summed, and 2^(x - max) in bfloat16 (0 where masked).
+      float alpha[kRows];
+      for (int i = 0; i < kRows; ++i) {
+        const int row = t * kRows + i;
+        const int last = offset + it.r0 + (t % it.per) * kRows + i;  // last key this row sees
+        const float* sr = w.s.data() + static_cast<int64_t>(i) * kBlock;
+        uint16_t* pr = w.p.data() + static_cast<int64_t>(i) * kBlock;
+        const int seen = std::max(0, std::min(tile_keys, last - k0 + 1));  // keys of the block this row sees
+        const int whole = seen / 16 * 16;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int j = 0; j < whole; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + j));
+        if (whole < seen) mx = _mm512_mask_max_ps(mx, visible_lanes(k0 + whole, last), mx, _mm512_loadu_ps(sr + whole));
+        const float block_max = _mm512_reduce_max_ps(mx), old = w.max[row];
+        const float m = block_max > old ? block_max : old;
+        alpha[i] = old == -INFINITY ? 0.f : (m == old ? 1.f : std::exp2((old - m) * scale2));
+        w.max[row] = m;
+        const __m512 s2 = _mm512_set1_ps(scale2), shift = _mm512_set1_ps(m * scale2);
+        __m512 total = _mm512_setzero_ps();
+        for (int j = 0; j < whole; j += 16) {  // (x - max) * scale2 as one fused op
+          const __m512 e = exp2_coarse(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j), s2, shift));
+          total = _mm512_add_ps(total, e);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), to_bf16(e));
+        }
+        for (int j = whole; j < tile_keys; j += 16) {  // the row's last partial vector, then zeros
+          const __mmask16 keep = j < seen ? visible_lanes(k0 + j, last) : 0;
+          const __m512 e = _mm512_maskz_mov_ps(keep, exp2_coarse(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j), s2, shift)));
+          total = _mm512_add_ps(total, e);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), to_bf16(e));
+        }
+        w.sum[row] = w.sum[row] * alpha[i] + _mm512_reduce_add_ps(total);
+      }
+      // P V of the block, then out = out * alpha + P V.
+      for (int g0 = 0; g0 < groups; g0 += 4) value_group(w.p.data(), kBlock, tile_keys, d, vt, g0, w.pv.data());
+      for (int i = 0; i < kRows; ++i) {
+        const __m512 a = _mm512_set1_ps(alpha[i]);
+        float* o = w.out.data() + (static_cast<int64_t>(t) * kRows + i) * d;
+        const float* pv = w.pv.data() + static_cast<int64_t>(i) * d;
+        for (int j = 0; j < d; j += 16) _mm512_storeu_ps(o + j, _mm512_fmadd_ps(_mm512_loadu_ps(o + j), a, _mm512_loadu_ps(pv + j)));
+      }
     }
-    inv_sum[r] = 1.f / _mm512_reduce_add_ps(total);
   }
-  for (int g0 = 0; g0 < d / 16; g0 += 4) value_group(p, keys, keys, d, v_tiles, g0, w.pv.data());
-  for (int r = 0; r < rows; ++r) {
-    const __m512 inv = _mm512_set1_ps(inv_sum[r]);
-    uint16_t* o = out + static_cast<int64_t>(seq.q_row + r0 + r) * out_stride + h * d;
-    const float* acc = w.pv.data() + r * d;
-    for (int j = 0; j < d; j += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + j), to_bf16(_mm512_mul_ps(load16(acc + j), inv)));
+  for (int t = 0; t < tiles; ++t) {
+    const int h = hk * it.group + t / it.per;
+    for (int i = 0; i < kRows; ++i) {
+      const int r = it.r0 + (t % it.per) * kRows + i, row = t * kRows + i;
+      if (r >= it.r0 + it.rows) continue;
+      const __m512 inv = _mm512_set1_ps(1.f / w.sum[row]);
+      uint16_t* o = out + static_cast<int64_t>(seq.q_row + r) * out_stride + h * d;
+      const float* acc = w.out.data() + static_cast<int64_t>(row) * d;
+      for (int j = 0; j < d; j += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + j), to_bf16(_mm512_mul_ps(_mm512_loadu_ps(acc + j), inv)));
+    }
   }
 }
 
@@ -297,12 +349,18 @@ extern "C" int32_t kvflow_prefill_attention_bf16(const KvflowAttention* layer, c
     words += static_cast<int64_t>(padded) * d / 2;
   }
   if (seqs.empty()) return 0;
-  // Items: (sequence, row block, head), the sequences' later row blocks (which see more keys) first.
-  struct Item { int seq, r0, h; };
+  // Items: (sequence, row block, KV head), the sequences' later row blocks (which see more keys) first. A
+  // row block is `per` tiles of 16 rows, for about kItemRows rows over the KV head's query heads.
+  const int group = hq / hkv;
+  struct Item { int seq, hk; ItemRows rows; };
   std::vector<Item> items;
-  for (size_t i = 0; i < seqs.size(); ++i)
-    for (int r0 = (seqs[i].lq - 1) / kRows * kRows; r0 >= 0; r0 -= kRows)
-      for (int h = 0; h < hq; ++h) items.push_back({static_cast<int>(i), r0, h});
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const int lq = seqs[i].lq;
+    const int per = std::min((kItemRows + kRows * group - 1) / (kRows * group), (lq + kRows - 1) / kRows);
+    const int span = per * kRows;
+    for (int r0 = (lq - 1) / span * span; r0 >= 0; r0 -= span)
+      for (int hk = 0; hk < hkv; ++hk) items.push_back({static_cast<int>(i), hk, {r0, std::min(span, lq - r0), group, per}});
+  }
   std::vector<int> first_unit(seqs.size() + 1, 0);
   for (size_t i = 0; i < seqs.size(); ++i) first_unit[i + 1] = first_unit[i] + hkv * seqs[i].padded / 32;
   thread_local std::vector<uint32_t> k_tiles, v_tiles;  // reused across calls: no page faults per layer
@@ -310,7 +368,7 @@ extern "C" int32_t kvflow_prefill_attention_bf16(const KvflowAttention* layer, c
   v_tiles.resize(words * hkv);
   uint32_t* kt = k_tiles.data();
   uint32_t* vt = v_tiles.data();
-  const int group = hq / hkv, num_items = static_cast<int>(items.size());
+  const int num_items = static_cast<int>(items.size());
   kvflow::parallel(num_threads, [&](kvflow::Team& team) {
     if (cache_dtype == 0) pack<float>(team, cache, seqs, first_unit, kt, vt);
     else if (cache_dtype == 1) pack<uint16_t>(team, cache, seqs, first_unit, kt, vt);
@@ -320,8 +378,8 @@ extern "C" int32_t kvflow_prefill_attention_bf16(const KvflowAttention* layer, c
     team.for_dynamic(num_items, [&](int i) {
       const Item& it = items[i];
       const Sequence& s = seqs[it.seq];
-      const int64_t at = s.packed * hkv + static_cast<int64_t>(it.h / group) * s.padded * d / 2;
-      attend_block(q, q_stride, d, scale, s, it.h, it.r0, kt + at, vt + at, out, out_stride, scratch);
+      const int64_t at = s.packed * hkv + static_cast<int64_t>(it.hk) * s.padded * d / 2;
+      attend_item(q, q_stride, d, scale, s, it.hk, it.rows, kt + at, vt + at, out, out_stride, scratch);
     });
     _tile_release();
   });

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from kvflow.kernels import kv_int8
 from kvflow.layers.activation import soft_cap
-from kvflow.layers.attention import kv_int8
 
 
 def write_kv(

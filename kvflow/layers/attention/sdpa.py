@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvflow.kernels import abi, paged_attention
-from kvflow.layers.attention import kv_int8, reference
+from kvflow.kernels import abi, kv_int8, paged_attention
+from kvflow.layers.attention import reference
 from kvflow.layers.attention.metadata import AttentionMetadata
 
 

@@ -9,7 +9,7 @@ import gguf
 import numpy as np
 import torch
 
-from kvflow.kernels import packed_matmul
+from kvflow.kernels import packed_matmul, packed_weight
 from kvflow.layers.quant.base import QuantLinear
 from kvflow.layers.quant.int4_linear import Int4Linear
 from kvflow.layers.quant.int8_block_linear import Int8BlockLinear
@@ -87,7 +87,7 @@ def gguf_linear(
             if all(isinstance(layer, PackedLinear) for layer in layers):
                 return PackedParts(layers, bias)
         bits, group, centre, codebook = packed_form([qtype for _, qtype in parts])
-        pw = packed_matmul.pack_gguf(
+        pw = packed_weight.pack_gguf(
             [(raw, gguf.GGMLQuantizationType[qtype].value, row_orders[i] if row_orders is not None else None)
              for i, (raw, qtype) in enumerate(parts)], bits, group, centre, codebook)
         if pw is not None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kvflow.kernels import packed_matmul
+from kvflow.kernels import packed_matmul, packed_weight
 from kvflow.layers.quant.base import QuantLinear
 from kvflow.layers.quant.packing import BlockQuant
 
@@ -21,19 +21,19 @@ ROWS_PER_TILE = 512  # rows dequantized at a time (float32 temporaries of a few 
 
 
 class PackedLinear(QuantLinear):
-    tile_align = packed_matmul.COLUMNS
+    tile_align = packed_weight.COLUMNS
 
-    def __init__(self, bq: BlockQuant | packed_matmul.PackedWeight, bias: torch.Tensor | None = None) -> None:
-        """From codes, or from bytes already in the kernel's layout (packed_matmul.pack_gguf)."""
+    def __init__(self, bq: BlockQuant | packed_weight.PackedWeight, bias: torch.Tensor | None = None) -> None:
+        """From codes, or from bytes already in the kernel's layout (packed_weight.pack_gguf)."""
         if isinstance(bq, BlockQuant):
-            bq = packed_matmul.pack(bq.q, bq.scale, bq.offset, bq.group_size, bq.bits, bq.centre, bq.codebook)
+            bq = packed_weight.pack(bq.q, bq.scale, bq.offset, bq.group_size, bq.bits, bq.centre, bq.codebook)
         super().__init__(bq.k, bq.n, bias)
         self.packed = bq
         self._block_abs_sum: torch.Tensor | None = None  # for error_bound, computed on first use
 
     @staticmethod
     def can_build(bq: BlockQuant) -> bool:
-        return packed_matmul.available() and packed_matmul.can_pack(bq.q, bq.scale, bq.offset, bq.group_size, bq.bits,
+        return packed_matmul.available() and packed_weight.can_pack(bq.q, bq.scale, bq.offset, bq.group_size, bq.bits,
                                                                     bq.centre, bq.codebook)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -107,7 +107,7 @@ class PackedLinear(QuantLinear):
         block's largest sum of |w| over an output row; plus slack for float32 sums."""
         self.prepare_error_bound()
         amax = x.float().view(x.shape[0], -1, self.packed.group).abs().amax(-1)  # [T, blocks]
-        bound = amax @ self._block_abs_sum / (2 * packed_matmul.INPUT_STEPS)
+        bound = amax @ self._block_abs_sum / (2 * packed_weight.INPUT_STEPS)
         return (bound * 1.01 + 1e-6 * x.float().abs().sum(-1) * self._block_abs_sum.max()).unsqueeze(-1)
 
     def prepare_error_bound(self) -> None:
@@ -121,7 +121,7 @@ class PackedLinear(QuantLinear):
 def _packed_matmul_op(x: torch.Tensor, data: torch.Tensor, n: int, bits: int, has_offset: bool,
                       group: int, centre: int, super_scales: torch.Tensor | None, codebook: int) -> torch.Tensor:
     # An op of its own so that torch.compile calls the kernel rather than tracing into ctypes.
-    pw = packed_matmul.PackedWeight(data, n, x.shape[1], bits, has_offset, group, centre, super_scales=super_scales,
+    pw = packed_weight.PackedWeight(data, n, x.shape[1], bits, has_offset, group, centre, super_scales=super_scales,
                                     codebook=codebook)
     return packed_matmul.matmul(x, pw)
 
@@ -135,7 +135,7 @@ def _(x: torch.Tensor, data: torch.Tensor, n: int, bits: int, has_offset: bool, 
 @torch.library.custom_op("kvflow::packed_rows", mutates_args=())
 def _packed_rows_op(ids: torch.Tensor, data: torch.Tensor, n: int, k: int, bits: int, has_offset: bool,
                     group: int, centre: int, super_scales: torch.Tensor | None, codebook: int) -> torch.Tensor:
-    return packed_matmul.rows(packed_matmul.PackedWeight(data, n, k, bits, has_offset, group, centre,
+    return packed_matmul.rows(packed_weight.PackedWeight(data, n, k, bits, has_offset, group, centre,
                                                          super_scales=super_scales, codebook=codebook), ids)
 
 

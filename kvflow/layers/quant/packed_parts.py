@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from kvflow.kernels import packed_matmul
+from kvflow.kernels import packed_matmul, packed_weight
 from kvflow.layers.quant.base import QuantLinear
 from kvflow.layers.quant.packed_linear import PackedLinear
 
 
 class PackedParts(QuantLinear):
-    tile_align = packed_matmul.COLUMNS
+    tile_align = packed_weight.COLUMNS
 
     def __init__(self, parts: list[PackedLinear], bias: torch.Tensor | None = None) -> None:
         if any(p.bias is not None or p.in_features != parts[0].in_features for p in parts):

@@ -11,7 +11,7 @@ offset = -16 d, centre 16 (centred_at_128 shifts it to Q8_0's centring for PyTor
 (w = d*q5 + m) q = q5, offset = m; IQ4_NL (w = d*table[i], a fixed 16-entry table of int8 values)
 q = table[i] + 128, offset = -128 d; MXFP4 (w = 2^(e-128) * table[i], its E2M1 values doubled, e an E8M0
 exponent) likewise. The table types' codes are all entries of their codebook (`codebook`), so the packed
-kernel stores each as its 4-bit index (kernels/packed_matmul.CODEBOOKS): 4.5 bits a weight, not 8.5.
+kernel stores each as its 4-bit index (kernels/packed_weight.CODEBOOKS): 4.5 bits a weight, not 8.5.
 With d an f16 value, d*q and the offset are exact in float32, so `dequantize` reproduces
 gguf.quants.dequantize bit for bit.
 
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvflow.kernels.packed_matmul import CODEBOOKS
+from kvflow.kernels.packed_weight import CODEBOOKS
 
 QK = 32  # elements per GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL block
 _BLOCK_BYTES = {"Q8_0": 2 + QK, "Q4_0": 2 + QK // 2, "Q4_1": 4 + QK // 2, "Q5_0": 6 + QK // 2, "Q5_1": 8 + QK // 2,
@@ -50,7 +50,7 @@ LAYOUT_BITS = {**PACKED_BITS, "Q5_0": 6, "Q5_1": 6, "Q5_K": 6, "Q6_K": 6}
 # The symmetric types' centre c: w = scale * (q - c), so offset = -c * scale is not stored (the packed
 # kernel derives it, exactly). The others (Q4_1, Q5_1, Q4_K, Q5_K, Q2_K) have free offsets (mins).
 CENTRES = {"Q8_0": 128, "Q5_0": 16, "IQ4_NL": 128, "IQ4_XS": 128, "MXFP4": 128, "Q4_0": 8, "Q6_K": 32, "Q3_K": 4}
-# The table types' codebooks (kernels/packed_matmul.CODEBOOKS): their 8-bit codes are always one of 16 values.
+# The table types' codebooks (kernels/packed_weight.CODEBOOKS): their 8-bit codes are always one of 16 values.
 CODEBOOK_OF = {"IQ4_NL": 1, "IQ4_XS": 1, "MXFP4": 2}
 GROUP_16_TYPES = ("Q6_K", "Q3_K", "Q2_K")  # a scale per 16 inputs; every other type has one per 32
 ROUNDED_SCALE_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS")  # exact in float32 only: rounded to f16

@@ -1,5 +1,5 @@
 """The C++ GGUF packer (kernels/csrc/gguf_repack.cpp, what a load uses) against the checked Python path
-(packing.from_gguf, scales rounded to float16, packed_matmul.pack): the same bytes for every packed type,
+(packing.from_gguf, scales rounded to float16, packed_weight.pack): the same bytes for every packed type,
 for fused tensors of mixed widths and groups, and for reordered rows."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvflow.kernels import packed_matmul
+from kvflow.kernels import packed_matmul, packed_weight
 from kvflow.layers.quant import concat_rows, from_gguf, gguf_linear, permute_rows, unpermute_rope_index
 from kvflow.layers.quant.packed_parts import PackedParts
 from kvflow.layers.quant.packing import (
@@ -46,8 +46,8 @@ def random_tensor(qtype: str, rows: int, k: int, seed: int) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
-def python_path(parts, orders, bits: int | None = None) -> packed_matmul.PackedWeight:
-    """packed_matmul.pack of packing.from_gguf's codes, at the packer's code width unless `bits` says."""
+def python_path(parts, orders, bits: int | None = None) -> packed_weight.PackedWeight:
+    """packed_weight.pack of packing.from_gguf's codes, at the packer's code width unless `bits` says."""
     codes = []
     for (raw, qtype), order in zip(parts, orders):
         bq = round_scales_to_f16(from_gguf(raw, qtype))
@@ -57,18 +57,18 @@ def python_path(parts, orders, bits: int | None = None) -> packed_matmul.PackedW
     smallest = min(bq.group_size for bq in codes)
     bq = concat_rows([with_group(c, smallest) for c in codes])
     form_bits, _, _, codebook = packed_form([q for _, q in parts])
-    return packed_matmul.pack(bq.q, bq.scale, bq.offset, bq.group_size, 8 if codebook else bits or form_bits, bq.centre,
+    return packed_weight.pack(bq.q, bq.scale, bq.offset, bq.group_size, 8 if codebook else bits or form_bits, bq.centre,
                               codebook if not bits else 0)
 
 
-def cpp_path(parts, orders) -> packed_matmul.PackedWeight:
-    pw = packed_matmul.pack_gguf([(raw, gguf.GGMLQuantizationType[q].value, order)
+def cpp_path(parts, orders) -> packed_weight.PackedWeight:
+    pw = packed_weight.pack_gguf([(raw, gguf.GGMLQuantizationType[q].value, order)
                                   for (raw, q), order in zip(parts, orders)], *packed_form([q for _, q in parts]))
     assert pw is not None
     return pw
 
 
-OWN_SCALES = ("Q4_K", "Q5_K")  # packed with their own scales (packed_matmul.OWN_SCALE_TYPES)
+OWN_SCALES = ("Q4_K", "Q5_K")  # packed with their own scales (packed_weight.OWN_SCALE_TYPES)
 
 
 @pytest.mark.parametrize("qtype", [q for q in PACKED_BITS if q not in OWN_SCALES])
@@ -112,7 +112,7 @@ def test_k_quants_keep_their_own_scales_exactly_in_fewer_bytes(qtype):
     bits = own.bits  # per weight: bits + 0.625 (sc, m, and d, dmin per 256), not bits + 1 (two float16 per 32)
     assert own.super_scales is not None and own.nbytes() / rounded.nbytes() == pytest.approx((bits + 0.625) / (bits + 1))
     exact = from_gguf(*parts[0]).dequantize()
-    assert torch.equal(packed_matmul.dequantize(own), exact)
+    assert torch.equal(packed_weight.dequantize(own), exact)
     assert torch.equal(packed_matmul.rows(own, torch.tensor([0, 17, 39])), exact[[0, 17, 39]])
     x = torch.randn(9, 512)
     ref = x.double() @ exact.double().t()
@@ -123,8 +123,8 @@ def test_k_quants_keep_their_own_scales_exactly_in_fewer_bytes(qtype):
     assert layer.packed.super_scales is not None
     assert torch.equal(layer.exact_top(x).argmax(-1), ref.argmax(-1))
     stacked = cpp_path([(random_tensor(qtype, 64, 512, 16), qtype)], [None])  # a MoE's experts, cut from one
-    experts = packed_matmul.split_rows(stacked, 32)
-    assert torch.equal(torch.cat([packed_matmul.dequantize(e) for e in experts]), packed_matmul.dequantize(stacked))
+    experts = packed_weight.split_rows(stacked, 32)
+    assert torch.equal(torch.cat([packed_weight.dequantize(e) for e in experts]), packed_weight.dequantize(stacked))
 
 
 @pytest.mark.parametrize("qtype", [q for q in PACKED_BITS if LAYOUT_BITS[q] == 6 and q not in OWN_SCALES])
@@ -134,7 +134,7 @@ def test_six_bit_codes_multiply_as_the_same_codes_in_eight_bits(qtype):
     parts = [(random_tensor(qtype, 40, 512, 11), qtype)]
     six, eight = cpp_path(parts, [None]), python_path(parts, [None], bits=8)
     assert six.bits == 6 and six.data.numel() < eight.data.numel() * 0.8
-    assert torch.equal(packed_matmul.dequantize(six), packed_matmul.dequantize(eight))
+    assert torch.equal(packed_weight.dequantize(six), packed_weight.dequantize(eight))
     x = torch.randn(9, 512)
     for input_bits in (8, 16):
         for m in (1, 2, 9):  # one row, a few, and past a tile
@@ -155,17 +155,17 @@ def test_a_q4_k_m_attention_of_four_and_six_bit_parts_packs_at_six_bits():
 def test_a_scale_beyond_float16_and_a_size_that_disagrees_are_refused():
     raw = random_tensor("Q8_0", 16, 64, 5)
     raw[0, 0:2] = np.array([60000.0], dtype=np.float16).view(np.uint8)  # offset -128 d overflows float16
-    assert packed_matmul.pack_gguf([(raw, gguf.GGMLQuantizationType.Q8_0.value, None)], 8, 32) is None
-    centred = packed_matmul.pack_gguf([(raw, gguf.GGMLQuantizationType.Q8_0.value, None)], 8, 32, centre=128)
+    assert packed_weight.pack_gguf([(raw, gguf.GGMLQuantizationType.Q8_0.value, None)], 8, 32) is None
+    centred = packed_weight.pack_gguf([(raw, gguf.GGMLQuantizationType.Q8_0.value, None)], 8, 32, centre=128)
     assert centred is not None  # no stored offset to overflow: the kernel derives -128 d in float32
     short = random_tensor("Q4_0", 16, 64, 6)[:, :-1]
-    assert packed_matmul.pack_gguf([(short, gguf.GGMLQuantizationType.Q4_0.value, None)], 4, 32) is None
+    assert packed_weight.pack_gguf([(short, gguf.GGMLQuantizationType.Q4_0.value, None)], 4, 32) is None
     eight = random_tensor("Q8_0", 16, 64, 7)
-    assert packed_matmul.pack_gguf([(eight, gguf.GGMLQuantizationType.Q8_0.value, None)], 4, 32) is None
-    assert packed_matmul.pack_gguf([(eight, gguf.GGMLQuantizationType.Q8_0.value, None)], 8, 32, centre=8) is None
+    assert packed_weight.pack_gguf([(eight, gguf.GGMLQuantizationType.Q8_0.value, None)], 4, 32) is None
+    assert packed_weight.pack_gguf([(eight, gguf.GGMLQuantizationType.Q8_0.value, None)], 8, 32, centre=8) is None
     six = random_tensor("Q6_K", 16, 256, 10)  # 6-bit codes into 4 bits; 8-bit ones into 6
-    assert packed_matmul.pack_gguf([(six, gguf.GGMLQuantizationType.Q6_K.value, None)], 4, 16) is None
-    assert packed_matmul.pack_gguf([(eight, gguf.GGMLQuantizationType.Q8_0.value, None)], 6, 32) is None
+    assert packed_weight.pack_gguf([(six, gguf.GGMLQuantizationType.Q6_K.value, None)], 4, 16) is None
+    assert packed_weight.pack_gguf([(eight, gguf.GGMLQuantizationType.Q8_0.value, None)], 6, 32) is None
 
 
 def test_a_q4_k_m_attention_runs_as_two_packed_parts_in_their_own_bytes():
@@ -184,7 +184,7 @@ def test_a_q4_k_m_attention_runs_as_two_packed_parts_in_their_own_bytes():
     assert torch.equal(layer.dequantize(), torch.cat([qk.dequantize(), v.dequantize()]))
     # The widened layer holds the same weights, Q4_K's scales rounded to float16 (the parts keep them exact).
     widened = cpp_path(parts, orders)
-    torch.testing.assert_close(layer.dequantize(), packed_matmul.dequantize(widened), rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(layer.dequantize(), packed_weight.dequantize(widened), rtol=2e-3, atol=2e-3)
     assert layer.nbytes() < 0.8 * widened.nbytes()
     layer.cache_dense_bf16()
     assert torch.equal(layer.dense_bf16, layer.dequantize().to(torch.bfloat16))
@@ -214,4 +214,4 @@ def test_q5_0_is_held_in_six_bits_centred_on_16():
     assert (pw.bits, pw.group, pw.centre, pw.has_offset) == (6, 32, 16, False)
     assert pw.nbytes() * 8 / (48 * 512) <= 6.5 * 1.1  # (48 rows: a partial last group of 16)
     want = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q5_0))
-    assert torch.equal(packed_matmul.dequantize(pw), want)
+    assert torch.equal(packed_weight.dequantize(pw), want)

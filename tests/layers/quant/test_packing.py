@@ -71,7 +71,7 @@ def test_k_quant_random_super_blocks_are_bit_exact(qtype):
 def test_group_16_codes_run_on_the_packed_kernel_as_stored():
     """A Q6_K tensor packs with blocks of 16: the kernel's weights are the rounded codes', and its products
     match them within the input quantization's bound."""
-    from kvflow.kernels import packed_matmul
+    from kvflow.kernels import packed_matmul, packed_weight
 
     if not packed_matmul.available():  # every CPU tier builds it; only a machine without a C++ compiler lacks it
         pytest.skip("needs a C++ compiler (the packed kernel)")
@@ -79,14 +79,14 @@ def test_group_16_codes_run_on_the_packed_kernel_as_stored():
     raw = rng.integers(0, 256, (40, 2, 210), dtype=np.uint8)
     raw[..., 208:210] = rng.uniform(-0.01, 0.01, (40, 2, 1)).astype(np.float16).view(np.uint8)
     bq = round_scales_to_f16(from_gguf(raw.reshape(40, -1), "Q6_K"))
-    pw = packed_matmul.pack(bq.q, bq.scale, bq.offset, bq.group_size, bq.bits)
+    pw = packed_weight.pack(bq.q, bq.scale, bq.offset, bq.group_size, bq.bits)
     assert pw.group == 16
-    torch.testing.assert_close(packed_matmul.dequantize(pw), bq.dequantize(), rtol=0, atol=0)
+    torch.testing.assert_close(packed_weight.dequantize(pw), bq.dequantize(), rtol=0, atol=0)
     x = torch.randn(3, 512)
     w = bq.dequantize().double()
     error = (packed_matmul.matmul(x, pw).double() - x.double() @ w.T).abs()
     # Half an input step per block of 16 (max|x| / 32639) times the block's sum of |w|, plus float32 sums.
-    steps = x.double().view(3, -1, 16).abs().amax(-1) / (2 * packed_matmul.INPUT_STEPS)  # [3, blocks]
+    steps = x.double().view(3, -1, 16).abs().amax(-1) / (2 * packed_weight.INPUT_STEPS)  # [3, blocks]
     bound = steps @ w.abs().view(40, -1, 16).sum(-1).T + 1e-6 * x.abs().double() @ w.abs().T
     assert (error <= bound).all() and error.max() > 0
 

@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_packed_matmul import LAYOUTS, codes, pack  # tests/kernels is no package
 
-from kvflow.kernels import cpu_features, packed_matmul
-
-from .test_packed_matmul import LAYOUTS, codes, pack
+from kvflow.kernels import cpu_features, packed_matmul, packed_weight
 
 pytestmark = pytest.mark.skipif(not packed_matmul.available() or cpu_features.isa_tier() != "amx",
                                 reason="AMX bfloat16 tiles: the amx tier's library only")
 
 
-def bf16_copy(pw: packed_matmul.PackedWeight) -> torch.Tensor:
+def bf16_copy(pw: packed_weight.PackedWeight) -> torch.Tensor:
     """What cache_dense_bf16 holds: the exact dequantized weights rounded to bfloat16."""
     return packed_matmul.rows(pw, torch.arange(pw.n)).to(torch.bfloat16)
 

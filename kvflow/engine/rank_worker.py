@@ -1,7 +1,8 @@
 """A rank other than 0: load this rank's shard, build a KV cache laid out as rank 0's, run every step it sends.
 
-Started by launch.py (spawned on this machine) or by torchrun (`kvflow serve --tensor-parallel-size N` on each
-node: ranks other than 0 land here instead of serving). It never samples, schedules or answers anyone.
+Started by kvflow/distributed/launch.py (spawned on this machine; the engine names this module) or by
+torchrun (`kvflow serve --tensor-parallel-size N` on each node: ranks other than 0 land here instead of
+serving). It never samples, schedules or answers anyone.
 """
 
 from __future__ import annotations

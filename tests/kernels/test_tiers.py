@@ -24,8 +24,8 @@ from paged_batch import at_slots, make_paged_batch
 
 from kvflow import SamplingParams
 from kvflow.executors.thresholds import ROW_THRESHOLDS
-from kvflow.kernels import abi, build, cpu_features, packed_matmul, paged_attention
-from kvflow.layers.attention import kv_int8, reference
+from kvflow.kernels import abi, build, cpu_features, kv_int8, packed_matmul, packed_weight, paged_attention
+from kvflow.layers.attention import reference
 from kvflow.layers.quant import quantize_weight
 
 # Every tier's library is built here from the same sources: only a machine without a C++ compiler skips.
@@ -94,9 +94,9 @@ def test_packed_matmul_is_bitwise_equal_on_every_fused_tier(bits, codebook, n, k
     bq.scale = bq.scale.half().float()
     bq.offset = bq.offset.half().float() if bits == 4 else -128.0 * bq.scale
     if codebook:  # random entries of the codebook (IQ4_NL's, MXFP4's), held as 4-bit indices
-        q = packed_matmul.CODEBOOKS[codebook][torch.randint(0, 16, (n, k), generator=g)]
+        q = packed_weight.CODEBOOKS[codebook][torch.randint(0, 16, (n, k), generator=g)]
         bq.offset = -128.0 * bq.scale
-    pw = packed_matmul.pack(q, bq.scale, bq.offset, bq.group_size, 8 if codebook else bits, 128 if codebook else 0,
+    pw = packed_weight.pack(q, bq.scale, bq.offset, bq.group_size, 8 if codebook else bits, 128 if codebook else 0,
                             codebook)
     assert pw.bits == bits
     # What any block's terms and partial sums can reach: |x| times |code x scale| + |offset|, summed
@@ -121,7 +121,7 @@ def test_packed_matmul_is_bitwise_equal_on_every_fused_tier(bits, codebook, n, k
 
 def test_input_widths_other_than_8_and_16_bits_are_refused_on_every_tier():
     bq = quantize_weight(torch.randn(64, 64) * 0.1, "int4", 32)
-    pw = packed_matmul.pack(bq.q, bq.scale.half().float(), bq.offset.half().float(), bq.group_size, bq.bits)
+    pw = packed_weight.pack(bq.q, bq.scale.half().float(), bq.offset.half().float(), bq.group_size, bq.bits)
     x, y = torch.randn(2, 64), torch.full((2, 64), 7.0)
     for tier in TIERS:
         for input_bits in (0, 4, 12, 32):
@@ -174,6 +174,31 @@ def test_paged_attention_on_every_tier(tier, head_dim, cache_dtype):
         alone.k_cache[at_slots(alone.k_cache, dst)] = batch.k_cache[at_slots(batch.k_cache, src)]
         alone.v_cache[at_slots(alone.v_cache, dst)] = batch.v_cache[at_slots(batch.v_cache, src)]
     assert torch.equal(attend(lib, alone, all_rows=True, threads=2)[0], out[7])
+
+
+# Prompt rows deep into a long context (a chunk at 32K, where an agent's prompt ends), beside a decode row
+# at 9K: plain, with a sliding window, with capped scores, and with gpt-oss's sinks and a window.
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize(("window", "softcap", "sinks"), [(0, 0.0, False), (4096, 0.0, False), (0, 1.0, False),
+                                                          (1000, 0.0, True)], ids=["plain", "window", "softcap", "sinks"])
+def test_prompt_rows_at_a_depth_of_32k_on_every_tier(tier, window, softcap, sinks):
+    batch = make_paged_batch([32768, 9000], [40, 1], num_kv_heads=2, group=3, head_dim=64, block_size=16,
+                             dtype=torch.float32, device=torch.device("cpu"), cache_dtype=torch.float16)
+    sink_logits = torch.tensor([4.0, -3.0, 0.5, 1.0, 8.0, -1.0]) if sinks else None
+    batch.k, batch.v = batch.k.half().float(), batch.v.half().float()  # as the float16 cache stores them
+    expected = batch.reference_output(scale=0.125, window=window, softcap=softcap, sinks=sink_logits)
+    out = torch.zeros(batch.q.shape)
+    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+    step = paged_attention.step_struct(batch.slot_mapping, batch.query_start_loc, batch.seq_lens, batch.block_tables)
+    layer = paged_attention.layer_struct(k_cache, v_cache, 6, 0.125, window, softcap, sink_logits)
+    rows = abi.KvflowRows(q=batch.q.data_ptr(), q_stride=batch.q.stride(0), k=batch.k.data_ptr(),
+                          k_stride=batch.k.stride(0), v=batch.v.data_ptr(), v_stride=batch.v.stride(0))
+    assert library(tier).kvflow_paged_attention(
+        layer=ctypes.byref(layer), step=ctypes.byref(step), rows=ctypes.byref(rows), out=out.data_ptr(),
+        out_stride=out.stride(0), all_rows=1, num_threads=2) == 0
+    torch.testing.assert_close(out, expected, rtol=2e-5, atol=2e-5)
+    if window or softcap or sinks:  # the variant really changes the result at this depth
+        assert not torch.allclose(expected, batch.reference_output(scale=0.125), atol=1e-3)
 
 
 def test_an_8_bit_cache_is_stored_as_kv_int8_writes_it():

@@ -4,8 +4,9 @@ head_dim + 4] int8. Symmetric, per token and head: scale = absmax / 127, value =
 
 Half the bytes of a 16-bit cache (plus 4 per row), so a decode step at depth reads about half as much K/V.
 The C++ kernels (csrc/attention_rows.h) store and read this layout directly; this file is the PyTorch
-side (the reference and SDPA backends), with the same arithmetic, so either side can read what the other
-wrote.
+side (for the reference and SDPA backends of layers/attention, and the cache's allocation), with the same
+arithmetic, so either side can read what the other wrote. It sits with the kernels because the layout is
+theirs.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 // A self-contained check of kvflow's CPU kernels, for builds the Python tests cannot load: other
 // architectures (aarch64 under qemu-user) and other threading (the std::thread pool of csrc/threads.h).
-// Linked with the kernel sources and built with one tier's flags; tests/kernel_tests/test_native_builds.py
+// Linked with the kernel sources and built with one tier's flags; tests/kernels/test_native_builds.py
 // compiles and runs it. Prints one line per check and exits non-zero on the first failure.
 //
 //   packed matmul   bitwise equal to a reference of its arithmetic written here (input digits, exact

@@ -1,4 +1,4 @@
-"""The kernels built where the Python tests cannot load them, checked by tests/kernel_tests/native/check_kernels.cpp
+"""The kernels built where the Python tests cannot load them, checked by tests/kernels/native/check_kernels.cpp
 (packed matmul bitwise against a reference of its arithmetic, paged attention against a double softmax,
 row ops):
 

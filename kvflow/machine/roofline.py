@@ -2,7 +2,7 @@
 
 Decode reads every weight once per step (plus the KV cache of each sequence), so its ceiling is
 bandwidth / bytes read.  Prefill is compute-bound, so its ceiling is matmul rate / FLOPs.
-Everything here is plain arithmetic; the measured limits come from ``kvflow.bench.probe``.
+Everything here is plain arithmetic; the measured limits come from ``kvflow.machine.probe``.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import torch
 
 from kvflow.engine.kv_cache_alloc import allocate_kv_cache
 from kvflow.kernels import huge_pages, packed_matmul
-from kvflow.kernels.packed_matmul import PackedWeight
+from kvflow.kernels.packed_weight import PackedWeight
 from kvflow.layers.quant.packed_linear import PackedLinear
 from kvflow.models.arch import ArchConfig
 

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from kvflow.bench import probe
 from kvflow.kernels import cpu_features, packed_matmul
+from kvflow.machine import probe
 
 
 def test_quick_probe_measures_positive_rates_and_restores_threads(tmp_path):

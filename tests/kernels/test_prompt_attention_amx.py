@@ -77,12 +77,17 @@ def chunk_rows(batch) -> torch.Tensor:
 
 
 # Fresh prompts (query = whole sequence), chunks over cached context, tails of 1 to 15 rows, a mixed
-# step with decode rows, long context; GQA groups 3 and 1; head sizes 64 and 128.
+# step with decode rows, long context; GQA groups 4, 3, 2 and 1; head sizes 64 and 128. The kernel takes
+# keys in blocks of 256 with a running max: chunks deep into a long context (up to 32K) cross many blocks,
+# and rows of one item end in different blocks.
 CASES = [
     ([512], [512], 3, 64),
     ([37, 200, 1000], [37, 64, 70], 3, 64),
     ([90, 50, 2], [1, 50, 2], 1, 128),
     ([130, 17], [129, 16], 2, 64),
+    ([2100, 700], [600, 700], 4, 64),
+    ([5000], [300], 1, 128),
+    ([32768], [40], 3, 64),
 ]
 
 

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from kvflow.bench.roofline import (
+from kvflow.machine.roofline import (
     BYTES_PER_PARAM,
     ModelShape,
     decode_roofline_tokens_per_s,

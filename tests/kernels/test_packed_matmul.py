@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvflow.kernels import packed_matmul
+from kvflow.kernels import packed_matmul, packed_weight
 from kvflow.layers.quant import BlockQuant, PackedLinear, quantize_weight
 
 # The kernel builds for every CPU tier but needs a C++ compiler; CI's machines have one.
@@ -17,8 +17,8 @@ def parts(bq: BlockQuant) -> tuple:
     return bq.q, bq.scale, bq.offset, bq.group_size, bq.bits, bq.centre, bq.codebook
 
 
-def pack(bq: BlockQuant) -> packed_matmul.PackedWeight:
-    return packed_matmul.pack(*parts(bq))
+def pack(bq: BlockQuant) -> packed_weight.PackedWeight:
+    return packed_weight.pack(*parts(bq))
 
 
 LAYOUTS = [4, 6, 8, "IQ4_NL", "MXFP4"]  # code widths, and the codebook types (4-bit indices)
@@ -32,7 +32,7 @@ def codes(bits: int | str, n: int, k: int, seed: int = 0) -> BlockQuant:
     g = torch.Generator().manual_seed(seed)
     if bits in BOOKS:
         book = BOOKS[bits]
-        q = packed_matmul.CODEBOOKS[book][torch.randint(0, 16, (n, k), generator=g)]
+        q = packed_weight.CODEBOOKS[book][torch.randint(0, 16, (n, k), generator=g)]
         if bits == "MXFP4":
             scale = torch.ldexp(torch.ones(n, k // 32), -torch.randint(5, 9, (n, k // 32), generator=g))
         else:
@@ -53,9 +53,9 @@ def test_layout_round_trip_and_accuracy(bits, n, k):
     bq = codes(bits, n, k)
     pw = pack(bq)
     assert pw.bits == (4 if bits in BOOKS else bits)  # a codebook type: 4.5 bits a weight, not 8.5
-    assert torch.equal(packed_matmul.dequantize(pw), bq.dequantize())  # the file's weights, bit for bit
+    assert torch.equal(packed_weight.dequantize(pw), bq.dequantize())  # the file's weights, bit for bit
     rows = torch.tensor([0, 17, n - 1])
-    assert torch.equal(packed_matmul.dequantize(pw, rows), bq.dequantize()[rows])
+    assert torch.equal(packed_weight.dequantize(pw, rows), bq.dequantize()[rows])
     x = torch.randn(5, k)
     ref = x.double() @ bq.dequantize().double().t()
     y = packed_matmul.matmul(x, pw)
@@ -96,14 +96,14 @@ def test_zero_rows_and_strided_input():
 
 def test_codes_it_cannot_keep_exactly_are_refused():
     bq = codes(4, 32, 64)
-    assert packed_matmul.can_pack(*parts(bq))
+    assert packed_weight.can_pack(*parts(bq))
     inexact = BlockQuant(bq.q, bq.scale * (1 + 2**-20), bq.offset, 32, 4)  # scales not float16 values
     wide = quantize_weight(torch.randn(32, 128), "int8", 64)
     eight_in_six = BlockQuant(codes(8, 32, 64).q | 0x80, bq.scale, bq.offset, 32, 6)  # codes past 63
     iq4 = codes("IQ4_NL", 32, 64)
     off_the_book = BlockQuant(iq4.q ^ 1, iq4.scale, iq4.offset, 32, 8, 128, 1)  # codes not in the codebook
     for bad in (inexact, wide, eight_in_six, off_the_book):
-        assert not packed_matmul.can_pack(*parts(bad))
+        assert not packed_weight.can_pack(*parts(bad))
         with pytest.raises(ValueError, match="groups of 32"):
             pack(bad)
     with pytest.raises(ValueError, match="float32"):
@@ -135,7 +135,7 @@ def test_block_abs_sum_is_the_largest_row_sum_of_each_block(bits):
     """The weight statistic behind exact_top's bound, from the codes in C++: per block of inputs, the
     largest sum of |w| over the output rows (here against the dequantized rows summed in double)."""
     pw = pack(codes(bits, 300, 576, seed=4))
-    w = packed_matmul.dequantize(pw).abs().double()
+    w = packed_weight.dequantize(pw).abs().double()
     want = w.view(300, -1, pw.group).sum(-1).amax(0).float()
     assert torch.allclose(packed_matmul.block_abs_sum(pw), want, rtol=1e-6, atol=0)
 
@@ -178,11 +178,11 @@ def test_grouped_matmuls_give_each_weight_its_own_rows(input_bits):
 
 
 def test_the_codebooks_are_the_kernels_own():
-    """packed_matmul.CODEBOOKS (what pack and the Python dequantizer use) are the tables the C++ kernels look
+    """packed_weight.CODEBOOKS (what pack and the Python dequantizer use) are the tables the C++ kernels look
     the indices up in; a codebook they do not know is refused."""
     from kvflow.kernels import abi
 
-    for book, codes in packed_matmul.CODEBOOKS.items():
+    for book, codes in packed_weight.CODEBOOKS.items():
         table = torch.zeros(16, dtype=torch.uint8)
         assert abi.native().kvflow_packed_codebook(book=book, out=table.data_ptr()) == 0
         assert torch.equal(table, codes)
