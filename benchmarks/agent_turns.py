@@ -62,13 +62,24 @@ LLAMA = "llama-server"
 KVFLOW = "kvflow"
 
 
+def gguf_architecture(gguf: Path) -> str:
+    """general.architecture of the file (llama, qwen2, ...): the prefix of its context-length key."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(gguf)).fields["general.architecture"]
+    return bytes(field.parts[field.data[0]]).decode()
+
+
 def server_commands(gguf: Path, threads: int, ctx: int, scratch: Path) -> dict[str, list[str]]:
+    # llama-server caps its context at the file's trained length (8,192 for the default model) unless told
+    # otherwise; kvflow serves --max-model-len past it (with a warning), so both get the same context.
+    override = f"{gguf_architecture(gguf)}.context_length=int:{ctx}"
     return {
         KVFLOW: [sys.executable, "-m", "kvflow", "serve", "--model", str(gguf), "--threads", str(threads),
                  "--max-model-len", str(ctx), "--host", "127.0.0.1"],
         LLAMA: [str(LLAMACPP_VENV / "bin" / "llama-server"), "--model", str(gguf), "--threads", str(threads),
                 "--threads-batch", str(threads), "--ctx-size", str(ctx), "--parallel", "1", "--cache-reuse", "256",
-                "--cache-ram", "0", "--slot-save-path", str(scratch), "--host", "127.0.0.1"],
+                "--cache-ram", "0", "--slot-save-path", str(scratch), "--override-kv", override, "--host", "127.0.0.1"],
     }
 
 
