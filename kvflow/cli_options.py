@@ -101,7 +101,7 @@ def engine_options(args: argparse.Namespace) -> dict:
 
 
 def _rope_scaling(text: str) -> dict:
-    from kvflow.models.rope_override import parse_rope_scaling
+    from kvflow.rope_scaling import parse_rope_scaling
 
     try:
         return parse_rope_scaling(text)

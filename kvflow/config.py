@@ -103,7 +103,7 @@ def engine_config(**options) -> EngineConfig:
     if config.scheduler.max_step_ms <= 0:
         raise ValueError(f"max_step_ms must be > 0, not {config.scheduler.max_step_ms}")
     if config.model.rope_scaling is not None:  # checked (and its short form read) before any load
-        from kvflow.models.rope_override import parse_rope_scaling
+        from kvflow.rope_scaling import parse_rope_scaling
 
         config.model.rope_scaling = parse_rope_scaling(config.model.rope_scaling)
     if config.cache.block_size < 1:

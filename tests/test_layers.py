@@ -29,7 +29,7 @@ LAYERS: list[set[str]] = [
     {"layers"},  # norm, rotary, attention backends, quantized linears, sampler
     {"sampling_params", "structured"},  # what a request asks for, grammars included
     {"kernels"},  # C++ kernels and their bindings
-    {"config", "errors", "outputs"},  # plain data every layer passes around
+    {"config", "errors", "outputs", "rope_scaling"},  # plain data every layer passes around
 ]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 
