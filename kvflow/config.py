@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from kvflow.rope_scaling import parse_rope_scaling
+
 
 @dataclass
 class ModelConfig:
@@ -103,8 +105,6 @@ def engine_config(**options) -> EngineConfig:
     if config.scheduler.max_step_ms <= 0:
         raise ValueError(f"max_step_ms must be > 0, not {config.scheduler.max_step_ms}")
     if config.model.rope_scaling is not None:  # checked (and its short form read) before any load
-        from kvflow.rope_scaling import parse_rope_scaling
-
         config.model.rope_scaling = parse_rope_scaling(config.model.rope_scaling)
     if config.cache.block_size < 1:
         raise ValueError("block_size must be >= 1")

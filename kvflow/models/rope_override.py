@@ -10,9 +10,6 @@ from __future__ import annotations
 import dataclasses
 
 from kvflow.models.arch import ArchConfig
-from kvflow.rope_scaling import parse_rope_scaling
-
-__all__ = ["apply_rope_scaling", "parse_rope_scaling"]
 
 
 def apply_rope_scaling(arch: ArchConfig, scaling: dict | None) -> ArchConfig:

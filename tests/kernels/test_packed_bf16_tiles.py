@@ -9,6 +9,8 @@ from test_packed_matmul import LAYOUTS, codes, pack  # tests/kernels is no packa
 
 from kvflow.kernels import cpu_features, packed_matmul, packed_weight
 
+# The tile kernel exists only in the amx tier's library and runs only on a CPU with AMX bfloat16: elsewhere
+# there is nothing of it to run (layers there keep their bfloat16 copies or the packed kernel).
 pytestmark = pytest.mark.skipif(not packed_matmul.available() or cpu_features.isa_tier() != "amx",
                                 reason="AMX bfloat16 tiles: the amx tier's library only")
 

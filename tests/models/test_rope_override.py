@@ -21,7 +21,8 @@ from kvflow.executors.model_setup import load_model
 from kvflow.kernels import packed_matmul
 from kvflow.layers.rotary import RotaryEmbedding, rope_inv_freq, yarn_gain
 from kvflow.models.arch import ArchConfig
-from kvflow.models.rope_override import apply_rope_scaling, parse_rope_scaling
+from kvflow.models.rope_override import apply_rope_scaling
+from kvflow.rope_scaling import parse_rope_scaling
 from models.test_parity import assert_relative_close, flat_logits, random_prompts, reference_logits
 
 CONTEXT = COMMON["max_position_embeddings"]  # the tiny checkpoints' trained context: 512
@@ -111,6 +112,7 @@ def test_yarn_in_the_config_without_its_original_context(tmp_path):
     assert_relative_close(flat_logits(ours.model, prompts), reference_logits(ref, prompts))
 
 
+# The native decoder is C++: only a machine without a compiler skips (CI has g++).
 @pytest.mark.skipif(not packed_matmul.available(), reason="needs a C++ compiler to build the kernels")
 @pytest.mark.parametrize("scaling", [YARN, LINEAR], ids=["yarn", "linear"])
 def test_native_decoder_runs_on_the_scaled_table(plain, scaling, monkeypatch):
