@@ -27,12 +27,16 @@ tokens / TTFT) and kvflow's TTFT over llama-server's; medians over --repeats.
 The same body is the same prompt only when both servers render it alike: llama-server caps its context at
 the model's training context, and under a chat template without tools (SmolLM2's, which the 32K shape
 benchmarks/long_context.py writes also carries) it leaves the tools out where kvflow describes them in the
-system prompt (the table says so when the first prompts differ by over 10%). `--same-tokens` sends the chat
-sessions (Qwen Code, OpenClaw) as token ids instead: kvflow's /tokenize renders each body (messages and
-tools, as its /v1/chat/completions does) and both servers get those ids on /v1/completions, so the prompts
-are the same to the token whatever the template (the API layer is skipped; other sessions stay native).
-Goal (issue 52), on the 16K-token Qwen Code session: turn 1 at <= 0.4x llama-server's TTFT, later turns
-at <= 0.15x.
+system prompt (the table says so when the first prompts differ by over 10%). `--same-tokens` sends every
+session as token ids instead: each body becomes the prompt kvflow's own endpoint for its API would prefill
+(chat bodies as they are, Messages and Responses bodies through kvflow's translation into its chat request,
+agent_sessions/kvflow_prompt.py), kvflow's /tokenize renders that, and both servers get the ids on
+/v1/completions, so the prompts are the same to the token whatever the template (the API layer is skipped).
+Before the timed replays each session's chain is sent once to kvflow on its own API (max 1 token, a nonce
+of its own) and the prompt tokens it reports are checked against the rendered ids' count (printed; a
+difference of over 4 tokens stops the run).
+Goals: issue 50, turn 1 at <= 0.7x llama-server's TTFT and later turns at <= 0.5x; issue 52, on the
+16K-token Qwen Code session, turn 1 at <= 0.4x and later turns at <= 0.15x.
 
 `--synthetic` runs the older synthetic conversation instead (issue 21: `kvflow bench serve --scenario agent`,
 a --system-len-token system prompt and --turns turns, each server alone).
@@ -51,6 +55,7 @@ import uuid
 from pathlib import Path
 
 import httpx
+from agent_sessions.kvflow_prompt import chat_form
 from agent_sessions.sessions import API_PATH, chain, is_first_token, load, prefill_counts, replay_body
 from agent_sessions.sessions import HERE as CAPTURES
 from results_file import publish, table_section
@@ -147,38 +152,68 @@ WARM_UP = {"chat": {"messages": [{"role": "user", "content": "Hello"}]}, "respon
            "messages": {"messages": [{"role": "user", "content": "Hello"}]}}
 
 
-def as_tokens(kvflow: Server, body: dict) -> list[int]:
-    """kvflow's own prompt for a chat body (its /tokenize renders messages and tools as /v1/chat/completions does)."""
-    got = httpx.post(kvflow.url + "/tokenize", json={"model": kvflow.model, "messages": body["messages"],
-                                                    "tools": body.get("tools")}, timeout=600)
+def as_tokens(kvflow: Server, body: dict, api: str) -> list[int]:
+    """kvflow's own prompt for a body on `api`: its /tokenize renders the chat form as /v1/chat/completions does."""
+    got = httpx.post(kvflow.url + "/tokenize", json={"model": kvflow.model, **chat_form(body, api)}, timeout=600)
     got.raise_for_status()
     return got.json()["tokens"]
+
+
+def check_rendering(kvflow: Server, client: str, api: str, requests: list[dict], timeout: float,
+                    tolerance: int = 4) -> list[tuple[int, int]]:
+    """Each body of the chain, under a nonce of its own, rendered into ids and sent to kvflow on its own API
+    (at most 1 answer token): (rendered count, the prompt tokens the API reports) per body, printed; a
+    difference past `tolerance` raises."""
+    nonce = f"[check {uuid.uuid4().hex[:8]}] "
+    pairs = []
+    for number, request in enumerate(requests, 1):
+        body = replay_body(request["body"], api, kvflow.model, 1, nonce)
+        rendered = len(as_tokens(kvflow, body, api))
+        got = send(kvflow, API_PATH[api], body, timeout)
+        reported = got.get("prompt_tokens")
+        print(f"{client} request {number} ({api}): rendered {rendered} tokens, kvflow's {API_PATH[api]} reports "
+              f"{reported}", file=sys.stderr)
+        if reported is None or abs(rendered - reported) > tolerance:
+            raise RuntimeError(f"{client} request {number}: rendered {rendered} tokens but {API_PATH[api]} "
+                               f"reports {reported} ({got.get('error', '')})")
+        pairs.append((rendered, reported))
+    return pairs
 
 
 def replay(servers: dict[str, Server], sessions: list[str], folder: Path, repeats: int, max_tokens: int,
            timeout: float, same_tokens: bool = False) -> dict:
     results: dict = {}
-    for api in sorted({load(client, folder)["api"] for client in sessions} | ({"chat"} if same_tokens else set())):
+    apis = {load(client, folder)["api"] for client in sessions}
+    for api in sorted(apis | ({"chat"} if same_tokens else set())):
         for server in servers.values():  # first-request costs, not counted
             send(server, API_PATH[api], replay_body(WARM_UP[api], api, server.model, 4), timeout)
+    checks = {}
+    if same_tokens:
+        for server in servers.values():
+            send(server, "/v1/completions", {"model": server.model, "prompt": [1, 2, 3], "max_tokens": 4}, timeout)
+        for client in sessions:
+            session = load(client, folder)
+            checks[client] = check_rendering(servers[KVFLOW], client, session["api"], chain(session), timeout)
     for repeat in range(repeats):
         for index, client in enumerate(sessions):
             session = load(client, folder)
             api, requests = session["api"], chain(session)
-            tokens = same_tokens and api == "chat"
-            entry = results.setdefault(client, {"api": "chat as kvflow's tokens" if tokens else api, "requests": [
-                {"turn": r["turn"], "kind": r["kind"], KVFLOW: [], LLAMA: []} for r in requests]})
+            entry = results.setdefault(client, {"api": f"{api} as kvflow's tokens" if same_tokens else api,
+                                                "requests": [{"turn": r["turn"], "kind": r["kind"], KVFLOW: [],
+                                                              LLAMA: []} for r in requests]})
+            if client in checks:
+                entry["rendered_vs_reported"] = checks[client]
             nonce = f"[session {uuid.uuid4().hex[:8]}] "
             bodies = [replay_body(r["body"], api, servers[KVFLOW].model, max_tokens, nonce) for r in requests]
-            prompts = [as_tokens(servers[KVFLOW], body) for body in bodies] if tokens else []
+            prompts = [as_tokens(servers[KVFLOW], body, api) for body in bodies] if same_tokens else []
             order = [KVFLOW, LLAMA] if (repeat + index) % 2 == 0 else [LLAMA, KVFLOW]
             for label in order:
                 server = servers[label]
                 server.forget()
                 for number, body in enumerate(bodies):
-                    path = "/v1/completions" if tokens else API_PATH[api]
+                    path = "/v1/completions" if same_tokens else API_PATH[api]
                     body = ({"prompt": prompts[number], "max_tokens": max_tokens, "stream": True,
-                             "stream_options": {"include_usage": True}} if tokens else body)
+                             "stream_options": {"include_usage": True}} if same_tokens else body)
                     got = send(server, path, {**body, "model": server.model}, timeout)
                     entry["requests"][number][label].append(got)
                     print(f"{client} repeat {repeat + 1} {label} request {number + 1}: {got}", file=sys.stderr)
@@ -225,12 +260,17 @@ def session_rows(entry: dict) -> list[str]:
 
 
 def goal_line(entry: dict) -> str:
-    """kvflow's TTFT over llama-server's on the first request and on the follow-ups, against issue 52's goal."""
+    """kvflow's TTFT over llama-server's on the first request and on the follow-ups, against issues 50's and 52's
+    goals."""
     ratios = [r.get("ratio") for r in entry["requests"]]
     later = [r for r in ratios[1:] if r is not None]
     first = _cell(ratios[0] if ratios else None, "{:.2f}x")
     spread = f"{min(later):.2f}x to {max(later):.2f}x" if later else "-"
-    line = f"\nFirst request: {first} llama-server's TTFT (goal <= 0.4x); follow-ups: {spread} (goal <= 0.15x)."
+    line = (f"\nFirst request: {first} llama-server's TTFT (goals: issue 50 <= 0.7x, issue 52 <= 0.4x); follow-ups: "
+            f"{spread} (issue 50 <= 0.5x, issue 52 <= 0.15x).")
+    if entry.get("rendered_vs_reported"):
+        pairs = ", ".join(f"{a}/{b}" for a, b in entry["rendered_vs_reported"])
+        line += f" Rendered ids / prompt tokens kvflow's own {entry['api'].split()[0]} API reports, per request: {pairs}."
     medians = entry["requests"][0].get("median", {}) if entry["requests"] else {}
     ours, peer = (medians.get(label, {}).get("prompt_tokens") for label in (KVFLOW, LLAMA))
     if ours and peer and abs(ours - peer) > 0.1 * max(ours, peer):  # e.g. a chat template that drops the tools
@@ -257,6 +297,8 @@ def run_sessions(args) -> None:
             for server in servers.values():
                 server.stop()
     stamp = time.strftime("%Y-%m-%d %H:%M")
+    same = ("the same token ids (kvflow's /tokenize of the prompt its own endpoint for the API would run) on "
+            "/v1/completions" if args.same_tokens else "the same bodies")
     sections = []
     for client, entry in results.items():
         rows = session_rows(entry)
@@ -264,8 +306,9 @@ def run_sessions(args) -> None:
             f"Agent session replay: {client} ({entry['api']}) against llama-server ({stamp}, CPU {cpu_name()}, "
             f"{args.threads} threads)",
             f"`python benchmarks/agent_turns.py --gguf {args.gguf.name} --sessions {client} --repeats "
-            f"{args.repeats} --ctx {args.ctx} --max-tokens {args.max_tokens}`: benchmarks/agent_sessions/{client}.json's requests on the session's chain, the "
-            f"same bodies to both servers (at most {args.max_tokens} answer tokens), context {args.ctx}; kvflow "
+            f"{args.repeats} --ctx {args.ctx} --max-tokens {args.max_tokens}"
+            f"{' --same-tokens' if args.same_tokens else ''}`: benchmarks/agent_sessions/{client}.json's requests on the session's chain, "
+            f"{same} to both servers (at most {args.max_tokens} answer tokens), context {args.ctx}; kvflow "
             f"tier {isa_tier()}; llama-server with one slot, --cache-reuse 256, --cache-ram 0. Medians of "
             f"{args.repeats}; `*`: no token streamed before the end.", COLUMNS, rows) + goal_line(entry))
     publish("\n".join(sections), args.record)
@@ -324,7 +367,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per request")
     ap.add_argument("--out", type=Path, help="also write every run's figures here (JSON)")
     ap.add_argument("--same-tokens", action="store_true",
-                    help="chat sessions as kvflow's prompt tokens to both servers' /v1/completions")
+                    help="every session as kvflow's prompt tokens to both servers' /v1/completions")
     ap.add_argument("--synthetic", action="store_true", help="issue 21's synthetic conversation instead")
     ap.add_argument("--system-len", type=int, default=20000)
     ap.add_argument("--user-len", type=int, default=300)
