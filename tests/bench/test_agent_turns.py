@@ -128,3 +128,29 @@ def test_a_one_turn_session_gets_a_synthesized_second_turn(api):
     assert new[:len(old)] == old and len(new) == len(old) + 2
     assert sessions.TURN_2 in json.dumps(new[-1]) and sessions.last_kind(chain[1]["body"], api) == "user"
     assert len(sessions.conversation(first, api)) == 1, "the captured body is left as it was"
+
+
+@pytest.mark.parametrize("path", CAPTURES, ids=lambda p: p.stem)
+def test_the_chat_form_is_what_kvflows_endpoint_would_render(path: Path):
+    """--same-tokens: each body's /tokenize form, validated as /tokenize does, is the chat request kvflow's
+    own endpoint for the API builds (messages and tools), the system prompt's nonce kept."""
+    from agent_sessions.kvflow_prompt import chat_form
+
+    from kvflow.server.protocol import ChatCompletionRequest
+
+    session = json.loads(path.read_text())
+    api = session["api"]
+    for request in sessions.chain(session):
+        body = sessions.replay_body(request["body"], api, "m", 16, "[session 1234] ")
+        form = chat_form(body, api)
+        assert "[session 1234] " in json.dumps(form["messages"][0])
+        assert form.get("tools"), "the session's tools are in the prompt"
+        tokenized = ChatCompletionRequest.model_validate({k: v for k, v in form.items() if v is not None})
+        if api == "chat":
+            continue
+        from kvflow.server.anthropic_protocol import MessagesRequest
+        from kvflow.server.responses_protocol import ResponsesRequest
+
+        own = (MessagesRequest.model_validate(body).as_chat() if api == "messages"
+               else ResponsesRequest.model_validate(body).as_chat()[0])
+        assert tokenized.messages == own.messages and tokenized.tools == own.tools
