@@ -144,8 +144,14 @@ def _send(server: Server, path: str, body: dict, timeout: float) -> dict:
                 first = time.perf_counter() - started
     ended = time.perf_counter() - started
     prompt, cached = prefill_counts(events)
-    return {"ttft_ms": 1000 * (first if first is not None else ended), "first_token": first is not None,
-            "prompt_tokens": prompt, "cached_tokens": cached}
+    got = {"ttft_ms": 1000 * (first if first is not None else ended), "first_token": first is not None,
+           "prompt_tokens": prompt, "cached_tokens": cached}
+    for event in events:  # kvflow's own account (usage.kvflow_timings): its TTFT and prefill time, in ms
+        for holder in (event, event.get("response") or {}, event.get("message") or {}):
+            timings = (holder.get("usage") or {}).get("kvflow_timings") if isinstance(holder, dict) else None
+            if isinstance(timings, dict):
+                got.update(server_ttft_ms=timings.get("ttft_ms"), server_prefill_ms=timings.get("prefill_ms"))
+    return got
 
 
 WARM_UP = {"chat": {"messages": [{"role": "user", "content": "Hello"}]}, "responses": {"input": "Hello"},
