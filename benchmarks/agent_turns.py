@@ -1,7 +1,7 @@
 """Real coding-agent sessions replayed against `kvflow serve` and llama.cpp's `llama-server`: TTFT per turn.
 
     python benchmarks/agent_turns.py --gguf FILE [--sessions qwen,claude,codex,openclaw] [--repeats 3]
-        [--threads 2] [--ctx 32768] [--max-tokens 16] [--same-tokens] [--out agent_turns.json] [--record]
+        [--threads 2] [--ctx 32768] [--max-tokens 16] [--same-tokens] [--pauses] [--out agent_turns.json] [--record]
 
 The sessions are the real clients' requests, captured by benchmarks/agent_sessions/capture.py into
 benchmarks/agent_sessions/<client>.json: Qwen Code and OpenClaw on chat completions, Claude Code on
@@ -35,6 +35,9 @@ agent_sessions/kvflow_prompt.py), kvflow's /tokenize renders that, and both serv
 Before the timed replays each session's chain is sent once to kvflow on its own API (max 1 token, a nonce
 of its own) and the prompt tokens it reports are checked against the rendered ids' count (printed; a
 difference of over 4 tokens stops the run).
+On a shared machine where others pause python and llama processes for runs of theirs (SIGSTOP), `--pauses`
+watches this run's processes (benchmarks/pause_watch.sh) and takes the stretches they spent stopped out of
+each TTFT (kept per run as paused_ms; the table's intro says how much).
 Goals: issue 50, turn 1 at <= 0.7x llama-server's TTFT and later turns at <= 0.5x; issue 52, on the
 16K-token Qwen Code session, turn 1 at <= 0.4x and later turns at <= 0.15x.
 
@@ -46,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -128,6 +132,7 @@ def _send(server: Server, path: str, body: dict, timeout: float) -> dict:
     payload = json.dumps(body).encode()
     events: list[dict] = []
     first = None
+    started_at = time.time()
     started = time.perf_counter()
     with httpx.stream("POST", server.url + path, content=payload, timeout=timeout,
                       headers={"content-type": "application/json", "x-api-key": "replay",
@@ -145,13 +150,47 @@ def _send(server: Server, path: str, body: dict, timeout: float) -> dict:
     ended = time.perf_counter() - started
     prompt, cached = prefill_counts(events)
     got = {"ttft_ms": 1000 * (first if first is not None else ended), "first_token": first is not None,
-           "prompt_tokens": prompt, "cached_tokens": cached}
+           "prompt_tokens": prompt, "cached_tokens": cached, "started_at": started_at}
     for event in events:  # kvflow's own account (usage.kvflow_timings): its TTFT and prefill time, in ms
         for holder in (event, event.get("response") or {}, event.get("message") or {}):
             timings = (holder.get("usage") or {}).get("kvflow_timings") if isinstance(holder, dict) else None
             if isinstance(timings, dict):
                 got.update(server_ttft_ms=timings.get("ttft_ms"), server_prefill_ms=timings.get("prefill_ms"))
     return got
+
+
+def watch_pauses(out: Path) -> subprocess.Popen:
+    """benchmarks/pause_watch.sh on this process's session: the stretches its processes spend stopped go to out."""
+    return subprocess.Popen(["bash", str(Path(__file__).resolve().parent / "pause_watch.sh"), str(out),
+                             str(os.getsid(0))])
+
+
+def discount_pauses(runs: list[dict], pauses: Path, long_ms: float = 30_000) -> tuple[int, float]:
+    """The watched pauses (pause_watch.sh's file) each run overlapped, as paused_ms: a run of over long_ms has
+    them taken out of its TTFT (the watch's 0.2 s polling is then a small error), a shorter one is marked
+    excluded (left out of the medians while any run of its request is clean): (runs touched, seconds)."""
+    spans = [tuple(map(float, line.split())) for line in pauses.read_text().splitlines() if line.strip()] \
+        if pauses.exists() else []
+    touched, total = 0, 0.0
+    for run in runs:
+        if "started_at" not in run or "ttft_ms" not in run or "paused_ms" in run:
+            continue
+        start, end = run["started_at"], run["started_at"] + run["ttft_ms"] / 1000
+        paused = sum(max(0.0, min(end, b) - max(start, a)) for a, b in spans)
+        if paused:
+            run["paused_ms"] = 1000 * paused
+            if run["ttft_ms"] > long_ms:
+                run["ttft_ms"] -= 1000 * paused
+            else:
+                run["excluded"] = True
+            touched, total = touched + 1, total + paused
+    return touched, total
+
+
+def clean(runs: list[dict]) -> list[dict]:
+    """The runs without an error, less those a pause excluded (unless that leaves none)."""
+    ok = [r for r in runs if "error" not in r]
+    return [r for r in ok if not r.get("excluded")] or ok
 
 
 WARM_UP = {"chat": {"messages": [{"role": "user", "content": "Hello"}]}, "responses": {"input": "Hello"},
@@ -232,7 +271,7 @@ def _median(runs: list[dict], key: str) -> float | None:
 
 
 def summarize(runs: list[dict]) -> dict:
-    ok = [r for r in runs if "error" not in r]
+    ok = clean(runs)
     if not ok:
         return {"error": runs[0]["error"] if runs else "no runs"}
     prompt, cached, ttft = _median(ok, "prompt_tokens"), _median(ok, "cached_tokens"), _median(ok, "ttft_ms")
@@ -293,7 +332,9 @@ COLUMNS = ["request", "turn", "adds", "kvflow prompt tokens", "kvflow cached", "
 def run_sessions(args) -> None:
     sessions = args.sessions.split(",")
     servers: dict[str, Server] = {}
+    paused = ""
     with tempfile.TemporaryDirectory(prefix="agent-turns-") as tmp:
+        watcher = watch_pauses(Path(tmp) / "pauses") if args.pauses else None
         try:
             for label, command in server_commands(args.gguf, args.threads, args.ctx, Path(tmp)).items():
                 servers[label] = Server(label, command, Path(tmp))
@@ -302,6 +343,15 @@ def run_sessions(args) -> None:
         finally:
             for server in servers.values():
                 server.stop()
+            if watcher:
+                time.sleep(0.5)  # the last pause written
+                watcher.terminate()
+        if watcher:
+            touched, seconds = discount_pauses([run for entry in results.values() for request in entry["requests"]
+                                                for label in (KVFLOW, LLAMA) for run in request[label]],
+                                               Path(tmp) / "pauses")
+            paused = (f" Processes stopped by another user's run meanwhile: {seconds:.0f} s over {touched} requests,"
+                      " taken out of the TTFTs of those over 30 s, the others left out of the medians (--pauses).")
     stamp = time.strftime("%Y-%m-%d %H:%M")
     same = ("the same token ids (kvflow's /tokenize of the prompt its own endpoint for the API would run) on "
             "/v1/completions" if args.same_tokens else "the same bodies")
@@ -316,7 +366,7 @@ def run_sessions(args) -> None:
             f"{' --same-tokens' if args.same_tokens else ''}`: benchmarks/agent_sessions/{client}.json's requests on the session's chain, "
             f"{same} to both servers (at most {args.max_tokens} answer tokens), context {args.ctx}; kvflow "
             f"tier {isa_tier()}; llama-server with one slot, --cache-reuse 256, --cache-ram 0. Medians of "
-            f"{args.repeats}; `*`: no token streamed before the end.", COLUMNS, rows) + goal_line(entry))
+            f"{args.repeats}; `*`: no token streamed before the end.{paused}", COLUMNS, rows) + goal_line(entry))
     publish("\n".join(sections), args.record)
     if args.out:
         args.out.write_text(json.dumps({"gguf": str(args.gguf), "threads": args.threads, "ctx": args.ctx,
@@ -374,6 +424,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help="also write every run's figures here (JSON)")
     ap.add_argument("--same-tokens", action="store_true",
                     help="every session as kvflow's prompt tokens to both servers' /v1/completions")
+    ap.add_argument("--pauses", action="store_true",
+                    help="take the stretches this run's processes spend stopped (another user's quiet script: "
+                         "benchmarks/pause_watch.sh) out of each TTFT")
     ap.add_argument("--synthetic", action="store_true", help="issue 21's synthetic conversation instead")
     ap.add_argument("--system-len", type=int, default=20000)
     ap.add_argument("--user-len", type=int, default=300)

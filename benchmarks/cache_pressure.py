@@ -3,7 +3,7 @@ later turns cached while a load of other prompts overflows the KV cache?
 
     python benchmarks/cache_pressure.py [--gguf FILE] [--session codex] [--kv-cache-memory 320MiB]
         [--overflow 1.5] [--burst-prompt-tokens 2048] [--repeats 3] [--threads 2] [--out cache_pressure.json]
-        [--record]
+        [--pauses] [--record]
 
 One `kvflow serve` on the model (the default model's GGUF unless --gguf), with a KV pool (--kv-cache-memory)
 that holds the agent's context and a little more. A captured agent session (benchmarks/agent_sessions/
@@ -20,6 +20,8 @@ taken out. kvflow keeps a hinted request's prompt blocks on a second free queue,
 unmarked block (kvflow/engine/block_pool.py), so with the hint the later requests should find their whole
 earlier prompt cached (cached_tokens near the prompt, TTFT of a few new tokens) and without it prefill it
 all again. Reported per request: prompt tokens, cached tokens and TTFT for both, medians of --repeats.
+--pauses: as in agent_turns.py, the stretches this run's processes spent stopped by another user's run
+are taken out of each TTFT.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from pathlib import Path
 
 import httpx
 from agent_sessions.sessions import API_PATH, chain, load, replay_body
-from agent_turns import KVFLOW, WARM_UP, Server, send
+from agent_turns import KVFLOW, WARM_UP, Server, clean, discount_pauses, send, watch_pauses
 from results_file import publish, table_section
 from side_by_side import default_gguf
 
@@ -109,7 +111,7 @@ def pool_tokens(url: str, block_size: int) -> int:
 
 
 def _median(runs: list[dict], key: str) -> float | None:
-    values = [r[key] for r in runs if r.get(key) is not None and "error" not in r]
+    values = [r[key] for r in clean(runs) if r.get(key) is not None]
     return statistics.median(values) if values else None
 
 
@@ -146,6 +148,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out", type=Path, default=Path("cache_pressure.json"))
+    ap.add_argument("--pauses", action="store_true", help="take stretches stopped by others out of each TTFT")
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args()
     gguf = args.gguf or default_gguf()
@@ -153,7 +156,9 @@ def main() -> None:
     api, requests = session["api"], chain(session)
     rng = random.Random(0)
     runs: dict[str, list[list[dict]]] = {HINT: [], PLAIN: []}
+    paused = ""
     with tempfile.TemporaryDirectory(prefix="cache-pressure-") as tmp:
+        watcher = watch_pauses(Path(tmp) / "pauses") if args.pauses else None
         server = Server(KVFLOW, [sys.executable, "-m", "kvflow", "serve", "--model", str(gguf), "--threads",
                                  str(args.threads), "--max-model-len", str(args.max_model_len), "--kv-cache-memory",
                                  args.kv_cache_memory, "--block-size", str(args.block_size), "--host", "127.0.0.1"], Path(tmp))
@@ -168,6 +173,14 @@ def main() -> None:
                     runs[HINT if hint else PLAIN].append(replay(server, api, requests, hint, pool, args, rng))
         finally:
             server.stop()
+            if watcher:
+                time.sleep(0.5)  # the last pause written
+                watcher.terminate()
+        if watcher:
+            touched, seconds = discount_pauses([r for label in runs.values() for rep in label for r in rep],
+                                               Path(tmp) / "pauses")
+            paused = (f" Processes stopped by another user's run meanwhile: {seconds:.0f} s over {touched} requests,"
+                      " taken out of the TTFTs of those over 30 s, the others left out of the medians (--pauses).")
     rows, medians = table(requests, runs)
     summary = ("\nLater requests' TTFT with the hint over without: "
                + ", ".join(f"{m[HINT]['ttft_ms'] / m[PLAIN]['ttft_ms']:.2f}x" for m in medians[1:]
@@ -179,7 +192,7 @@ def main() -> None:
         f"--overflow {args.overflow} --burst-prompt-tokens {args.burst_prompt_tokens} --repeats {args.repeats}`, "
         f"file {gguf.name}, kvflow tier {isa_tier()}: a KV pool of {pool} tokens; between two requests of the "
         f"session, {int(args.overflow * pool)} tokens of unrelated prompts ({args.burst_prompt_tokens} each). "
-        f"The session replayed with its cache hint and without, alternating; medians of {args.repeats}.",
+        f"The session replayed with its cache hint and without, alternating; medians of {args.repeats}.{paused}",
         COLUMNS, rows) + summary, args.record)
     args.out.write_text(json.dumps({"gguf": str(gguf), "session": args.session, "api": api, "pool_tokens": pool,
                                     "kv_cache_memory": args.kv_cache_memory, "overflow": args.overflow,

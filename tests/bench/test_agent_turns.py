@@ -154,3 +154,14 @@ def test_the_chat_form_is_what_kvflows_endpoint_would_render(path: Path):
         own = (MessagesRequest.model_validate(body).as_chat() if api == "messages"
                else ResponsesRequest.model_validate(body).as_chat()[0])
         assert tokenized.messages == own.messages and tokenized.tools == own.tools
+
+
+def test_pauses_are_taken_out_of_long_ttfts_and_short_ones_left_out(tmp_path: Path):
+    pauses = tmp_path / "pauses"
+    pauses.write_text("100.5 101.0\n103.0 110.0\n")
+    runs = [{"ttft_ms": 2000.0, "started_at": 100.0}, {"ttft_ms": 500.0, "started_at": 101.5},
+            {"ttft_ms": 40000.0, "started_at": 102.0}, {"error": "x"}]
+    assert agent_turns.discount_pauses(runs, pauses) == (2, 0.5 + 7.0)
+    assert runs[0]["excluded"] and runs[0]["ttft_ms"] == 2000.0 and runs[0]["paused_ms"] == 500.0
+    assert "paused_ms" not in runs[1] and runs[2]["ttft_ms"] == 33000.0 and not runs[2].get("excluded")
+    assert agent_turns.clean(runs) == runs[1:3] and agent_turns.clean(runs[:1]) == runs[:1]
