@@ -351,7 +351,8 @@ def run_sessions(args) -> None:
                                                 for label in (KVFLOW, LLAMA) for run in request[label]],
                                                Path(tmp) / "pauses")
             paused = (f" Processes stopped by another user's run meanwhile: {seconds:.0f} s over {touched} requests,"
-                      " taken out of the TTFTs of those over 30 s, the others left out of the medians (--pauses).")
+                      " taken out of the TTFTs of those over 30 s, the others left out of the medians (--pauses)."
+                      if touched else " No process of the run was stopped by another user's meanwhile (--pauses).")
     stamp = time.strftime("%Y-%m-%d %H:%M")
     same = ("the same token ids (kvflow's /tokenize of the prompt its own endpoint for the API would run) on "
             "/v1/completions" if args.same_tokens else "the same bodies")

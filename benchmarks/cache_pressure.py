@@ -180,7 +180,8 @@ def main() -> None:
             touched, seconds = discount_pauses([r for label in runs.values() for rep in label for r in rep],
                                                Path(tmp) / "pauses")
             paused = (f" Processes stopped by another user's run meanwhile: {seconds:.0f} s over {touched} requests,"
-                      " taken out of the TTFTs of those over 30 s, the others left out of the medians (--pauses).")
+                      " taken out of the TTFTs of those over 30 s, the others left out of the medians (--pauses)."
+                      if touched else " No process of the run was stopped by another user's meanwhile (--pauses).")
     rows, medians = table(requests, runs)
     summary = ("\nLater requests' TTFT with the hint over without: "
                + ", ".join(f"{m[HINT]['ttft_ms'] / m[PLAIN]['ttft_ms']:.2f}x" for m in medians[1:]
@@ -189,7 +190,8 @@ def main() -> None:
         f"Cache hints under pressure: {args.session} ({api}) on kvflow ({time.strftime('%Y-%m-%d %H:%M')}, "
         f"CPU {cpu_name()}, {args.threads} threads)",
         f"`python benchmarks/cache_pressure.py --session {args.session} --kv-cache-memory {args.kv_cache_memory} "
-        f"--overflow {args.overflow} --burst-prompt-tokens {args.burst_prompt_tokens} --repeats {args.repeats}`, "
+        f"--max-model-len {args.max_model_len} --overflow {args.overflow} --burst-prompt-tokens "
+        f"{args.burst_prompt_tokens} --repeats {args.repeats}`, "
         f"file {gguf.name}, kvflow tier {isa_tier()}: a KV pool of {pool} tokens; between two requests of the "
         f"session, {int(args.overflow * pool)} tokens of unrelated prompts ({args.burst_prompt_tokens} each). "
         f"The session replayed with its cache hint and without, alternating; medians of {args.repeats}.{paused}",
