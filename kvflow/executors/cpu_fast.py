@@ -29,6 +29,7 @@ class CpuFastExecutor(LayersExecutor):
         self.dense_min_rows = ROW_THRESHOLDS.native_dense_min_rows
         self.eight_bit_min_rows = ROW_THRESHOLDS.eight_bit_min_rows(loaded.plan.cpu_tier)
         self.eight_bit_prompt_min_rows = ROW_THRESHOLDS.eight_bit_prompt_min_rows
+        self.tiles_min_context = ROW_THRESHOLDS.prompt_tiles_min_context
         # Prompt chunks' attention on AMX tiles (csrc/prefill_attention_amx.cpp takes head sizes 64 and 128).
         head_dim = loaded.arch.head_dim
         plain = all(a.plain_softmax for a in self.model.attention_layers)  # windows, caps, sinks: not on tiles
@@ -64,13 +65,18 @@ class CpuFastExecutor(LayersExecutor):
         has_prompt_rows = plain_rows > len(meta.seq_lens_cpu)
         eight_bit = 0 < self.eight_bit_min_rows and (inputs.num_decode_rows >= self.eight_bit_min_rows or plain_rows >= (
             self.eight_bit_prompt_min_rows if has_prompt_rows else self.eight_bit_min_rows))
+        # A prompt chunk under the dense rows deep in a context (an agent's next turn: its new tokens over a
+        # long cached one) attends on AMX tiles too, not row by row; speculation's checks stay computed as
+        # the plain decode steps they replace.
+        tiles = self.prompt_tiles and inputs.num_draft_rows == 0 and any(
+            q > 1 and k >= self.tiles_min_context for q, k in zip(meta.query_lens_cpu, meta.seq_lens_cpu))
         hidden = torch.empty(rows, self.model.arch.hidden_size)
         picked = inputs.logits_indices
         logits = torch.empty(picked.shape[0], self.vocab_size) if native.head_packed else hidden
         rc = self.forward_native(
             model=ctypes.byref(native.struct), step=steps, ids=inputs.input_ids.data_ptr(),
             positions=inputs.positions.data_ptr(), rows=rows, dense=None if dense is None else ctypes.byref(dense),
-            input_bits=8 if eight_bit else 16,
+            input_bits=8 if eight_bit else 16, prompt_tiles=int(tiles),
             logit_rows=picked.data_ptr(), num_logits=picked.shape[0] if native.head_packed else 0,
             logits=logits.data_ptr(), hidden=hidden.data_ptr(), num_threads=torch.get_num_threads())
         self._dense_io = None

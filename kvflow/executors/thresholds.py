@@ -20,6 +20,13 @@ class RowThresholds:
     # steps of this many or more on dense bfloat16 copies through oneDNN, where bfloat16 is native (AMX).
     # How: decode batches of 24 to 64 rows timed through the whole step both ways, on the AMX Xeon.
     native_dense_min_rows: int = 64
+    # Native decoder on AMX, packed path (fewer rows than native_dense_min_rows): a step's prompt chunks
+    # attend on AMX tiles (bfloat16 products, csrc/prefill_attention_amx.cpp) once one reaches this many
+    # positions of context; shallower ones keep the float32 row-by-row attention (a few ms either way) and
+    # its closeness to the exact mode. How: benchmarks/ab_attention_source.py, 16 rows of the default
+    # model's 30 layers: at depth 512 3.8 ms row by row, 2.3 on tiles; at 2,048 18.5 and 8.2; at 9,000 87
+    # and 43 (AMX Xeon, 2 threads).
+    prompt_tiles_min_context: int = 1024
     # PyTorch layers (executors/layers.py), where bfloat16 is native: a float Linear's matmul and a packed
     # layer's matmul run on the bfloat16 copy from this many rows. How: benchmarks/bench_quant_linear.py,
     # each layer shape of the default model at 1 to 512 rows, the integer kernels against oneDNN bf16.

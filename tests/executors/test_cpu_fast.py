@@ -117,6 +117,27 @@ def test_many_row_packed_steps_match_the_exact_mode(sixteen_bit, packed_loaded, 
     assert_close_outputs(fast, exact, 0.15 if sixteen_bit.native.dense_t is not None else 3e-2)
 
 
+@pytest.mark.skipif(cpu_features.machine_tier() != "amx", reason="the tile kernel needs AMX (amx_bf16)")
+def test_a_short_chunk_deep_in_a_context_attends_on_tiles(sixteen_bit, packed_loaded, monkeypatch):
+    """An agent's next turn: a few new rows over a cached context past prompt_tiles_min_context run on the
+    packed path (fewer rows than the dense path's) with their attention on AMX tiles, the earlier steps row
+    by row; the answer stays close to the exact mode's, within the bfloat16 paths' bound."""
+    tiles = []
+    original = abi.native().kvflow_decoder_forward
+    monkeypatch.setattr(abi.native(), "kvflow_decoder_forward",
+                        lambda **k: tiles.append((k["rows"], k["prompt_tiles"])) or original(**k))
+    context = LONG * 30  # about 1,200 tokens
+    follow_up = [context, context + " In the end, the empire"]
+    fast_llm, exact_llm = make_llm(sixteen_bit), make_llm(packed_loaded)
+    fast = [fast_llm.generate([p], PARAMS)[0] for p in follow_up]  # the second finds the first's blocks
+    exact = [exact_llm.generate([p], PARAMS)[0] for p in follow_up]
+    chunk_rows = len(fast[1].prompt_token_ids) - fast[1].metrics.num_cached_tokens
+    assert 1 < chunk_rows < ROW_THRESHOLDS.native_dense_min_rows
+    assert (chunk_rows, 1) in tiles  # the follow-up's chunk, on tiles
+    assert all(flag == 0 for rows, flag in tiles if rows == 1)  # decode steps row by row
+    assert_close_outputs(fast, exact, 0.15)
+
+
 def prompt_log_probs(llm, token_ids: list[int], eight_bit: bool) -> torch.Tensor:
     """Teacher-forced: log-probabilities at every position of one prompt, prefilled as one native step
     with 8-bit or 16-bit matmul inputs."""

@@ -88,6 +88,12 @@ CASES = [
     ([2100, 700], [600, 700], 4, 64),
     ([5000], [300], 1, 128),
     ([32768], [40], 3, 64),
+    # Short chunks deep in a context (an agent's next turn, a speculative check): the heads' rows share
+    # tiles and the keys are split among work items, the splits merged after; beside a long chunk.
+    ([16384], [80], 3, 64),
+    ([9000], [5], 4, 64),
+    ([6000], [7], 1, 128),
+    ([4100, 3000, 700], [100, 2, 600], 3, 64),
 ]
 
 

@@ -8,6 +8,8 @@
 // (kvflow/executors/cpu_fast.py):
 //  - packed: the packed-integer kernel on float32 rows, every row through the paged attention kernel.
 //    Each row's arithmetic depends on its own inputs only: a row's result does not depend on its batch.
+//    With prompt_tiles, prompt chunks' rows attend on AMX tiles instead (a short chunk deep in a context,
+//    an agent's next turn, attends several times faster there than row by row).
 //  - dense (KvflowDense): bfloat16 rows times dense bfloat16 copies of the weights through the caller's
 //    matmul, for steps of many rows where bfloat16 is native. Each pass between two matmuls reads the
 //    last output and writes the next input in bfloat16 in one go; with prompt_attention_bf16, prompt
@@ -89,8 +91,21 @@ int fused_matmul(const KvflowPackedWeight& w, const KvflowPackedWeight& rest, co
 
 struct Buffers {
   std::vector<float> normed, qkv, attn, proj, gate_up, act;
-  std::vector<int> one_token_rows;
+  std::vector<int> one_token_rows, chunk_rows;  // rows of one-token queries; rows of chunks of two or more
+  std::vector<uint16_t> attn_bf16;  // the tile kernel's output on the packed path
 };
+
+// Which of the step's rows are one-token queries and which belong to chunks of two or more rows.
+void split_rows(const KvflowStep& queries, Buffers& b) {
+  b.one_token_rows.clear();
+  b.chunk_rows.clear();
+  for (int i = 0; i < queries.num_seqs; ++i) {
+    const int first = queries.query_start[i], n = queries.query_start[i + 1] - first;
+    if (n == 1) b.one_token_rows.push_back(first);
+    else
+      for (int r = first; r < first + n; ++r) b.chunk_rows.push_back(r);
+  }
+}
 
 Buffers& buffers(const Shape& s, int rows) {
   thread_local Buffers b;
@@ -106,9 +121,12 @@ Buffers& buffers(const Shape& s, int rows) {
 
 // Every layer on the packed kernel, float32 throughout.
 int packed_layers(const KvflowDecoder& m, const KvflowStep* steps, const int64_t* positions, int rows, float* hidden,
-                  int bits, int threads) {
+                  int bits, bool prompt_tiles, int threads) {
   const Shape s(m);
   Buffers& b = buffers(s, rows);
+  split_rows(steps[0], b);  // every group's step has the same queries
+  const bool tiles = prompt_tiles && !b.chunk_rows.empty();
+  if (tiles) b.attn_bf16.resize(static_cast<size_t>(rows) * s.q_size);
   // hidden += proj, then normed = norm(hidden), per row.
   auto add_norm = [&](const float* delta, const float* weight) {
     each_row(rows, threads, [&](int r) {
@@ -135,8 +153,17 @@ int packed_layers(const KvflowDecoder& m, const KvflowStep* steps, const int64_t
     });
     const float* q = b.qkv.data();
     const KvflowRows qkv{q, s.qkv_size, q + s.q_size, s.qkv_size, q + s.q_size + s.kv_size, s.qkv_size};
-    if (kvflow_paged_attention(&layer.attention, &steps[layer.kv_group], &qkv, b.attn.data(), s.q_size, 1, threads))
+    if (kvflow_paged_attention(&layer.attention, &steps[layer.kv_group], &qkv, b.attn.data(), s.q_size, tiles ? 0 : 1,
+                               threads))
       return -1;
+    if (tiles) {  // the chunks' rows on tiles, back to float32 for the packed o projection
+      if (kvflow_prefill_attention_bf16(&layer.attention, &steps[layer.kv_group], q, s.qkv_size, b.attn_bf16.data(),
+                                        s.q_size, threads))
+        return -1;
+      for (int r : b.chunk_rows)
+        for (int j = 0; j < s.q_size; ++j)
+          b.attn[static_cast<int64_t>(r) * s.q_size + j] = kvflow::bf16_to_float(b.attn_bf16[static_cast<int64_t>(r) * s.q_size + j]);
+    }
     if (kvflow_packed_matmul(&layer.o, b.attn.data(), s.q_size, rows, b.proj.data(), s.h, bits, threads)) return -1;
     if (layer.o_bias)
       each_row(rows, threads, [&](int r) {
@@ -171,10 +198,7 @@ int dense_layers(const KvflowDecoder& m, const KvflowStep* steps, const int64_t*
                  const KvflowDense& dense, int threads) {
   const Shape s(m);
   Buffers& b = buffers(s, rows);
-  b.one_token_rows.clear();
-  const KvflowStep& queries = steps[0];  // every group's step has the same queries
-  for (int i = 0; i < queries.num_seqs; ++i)
-    if (queries.query_start[i + 1] - queries.query_start[i] == 1) b.one_token_rows.push_back(queries.query_start[i]);
+  split_rows(steps[0], b);  // every group's step has the same queries
   const uint16_t* delta = nullptr;  // the last matmul's output, not yet added to hidden
   const float* normed_delta = nullptr;  // or, after a Gemma output norm, that output normed (float32)
   // Row r of hidden += the pending output, then out = norm(hidden) * weight.
@@ -248,7 +272,7 @@ int dense_layers(const KvflowDecoder& m, const KvflowStep* steps, const int64_t*
 
 extern "C" int32_t kvflow_decoder_forward(const KvflowDecoder* model, const KvflowStep* step, const int64_t* ids,
                                           const int64_t* positions, int32_t rows, const KvflowDense* dense,
-                                          int32_t input_bits, const int64_t* logit_rows, int32_t num_logits,
+                                          int32_t input_bits, int32_t prompt_tiles, const int64_t* logit_rows, int32_t num_logits,
                                           float* logits, float* hidden, int32_t num_threads) {
   const KvflowDecoder& m = *model;
   for (int r = 0; r < rows; ++r) {  // refuse before anything is written
@@ -264,7 +288,7 @@ extern "C" int32_t kvflow_decoder_forward(const KvflowDecoder* model, const Kvfl
   if (m.embed_scale != 0.f)
     for (int64_t i = 0; i < static_cast<int64_t>(rows) * m.hidden; ++i) hidden[i] *= m.embed_scale;
   const int rc = dense ? dense_layers(m, step, positions, rows, hidden, *dense, num_threads)
-                       : packed_layers(m, step, positions, rows, hidden, input_bits, num_threads);
+                       : packed_layers(m, step, positions, rows, hidden, input_bits, prompt_tiles != 0, num_threads);
   if (rc || num_logits == 0 || !m.head.data) return rc;
   thread_local std::vector<float> picked;  // the sampled rows, side by side
   picked.resize(static_cast<size_t>(num_logits) * m.hidden);

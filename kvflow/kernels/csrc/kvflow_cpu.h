@@ -259,11 +259,12 @@ struct KvflowDecoder {
 // caller applies Gemma 2's), their best entries recomputed exactly. step: one KvflowStep per KV group (the
 // same queries, each group's own slots and block tables; layer.kv_group picks). dense: null, or the
 // many-row matmuls' buffers. input_bits: 16 or 8, how finely the packed matmuls (the head's included)
-// quantize their inputs (kvflow_packed_matmul). Returns 0; -1 for a weight or shape a kernel refused; -2
+// quantize their inputs (kvflow_packed_matmul). prompt_tiles: on the packed path too, prompt chunks of
+// two or more rows attend on AMX tiles (kvflow_prefill_attention_bf16), not row by row. Returns 0; -1 for a weight or shape a kernel refused; -2
 // for a position past the rotary table and -4 for a token id outside the vocabulary (both before anything
 // is written); -3 when dense->matmul failed.
 int32_t kvflow_decoder_forward(const KvflowDecoder* model, const KvflowStep* step, const int64_t* ids,
                                const int64_t* positions, int32_t rows, const KvflowDense* dense,
-                               int32_t input_bits, const int64_t* logit_rows, int32_t num_logits, float* logits,
+                               int32_t input_bits, int32_t prompt_tiles, const int64_t* logit_rows, int32_t num_logits, float* logits,
                                float* hidden, int32_t num_threads);
 }

@@ -7,7 +7,7 @@
 // 2^15 stays below 2^31, and equals 256 dot(h) + dot(l), the other tiers' exact sum. The float epilogue is
 // theirs, lane for lane: with a fused multiply-add (NEON, or an x86 CPU with FMA) the result is bitwise
 // the same; without one (most x86 CPUs without AVX2), each multiply-add rounds twice and the result may
-// differ in the last bits (tests/kernel_tests/test_tiers.py bounds it).
+// differ in the last bits (tests/kernels/test_tiers.py bounds it).
 #pragma once
 
 #include <cstring>

@@ -8,9 +8,10 @@
 // probabilities 2^(x - max) in AVX-512 rounded to bfloat16, then P V in four tiles (64 output dims) and
 // the output rescaled when a row's max rose. Each block's K/V tiles are read once for all the item's
 // rows and stay in cache while they are used: at a depth of 16K an item that read all keys for every 16
-// rows of every head moved 18 GB per layer through the caches. B tiles hold pairs of values along the
-// summed dimension in one 32-bit word, so K and V are read from the paged cache (through the block table)
-// and repacked once per call, shared by all query heads of a KV head and all their rows.
+// rows of every head moved 18 GB per layer through the caches. For long chunks K and V are repacked
+// (prompt_kv_tiles.h) once per call, shared by all query heads of a KV head and all their row blocks.
+// Short chunks deep in a context (an agent's next turn, a speculative check) instead split the keys
+// among items that each pack their own blocks: see kShortRows.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -27,11 +28,14 @@
 #include <immintrin.h>
 
 #include "amx_tiles.h"
+#include "prompt_kv_tiles.h"
 #endif
 
 namespace {
 
 #ifdef KVFLOW_HAVE_AMX_BF16
+using namespace kvflow::prompt_tiles;
+
 constexpr int kRows = 16;  // query rows per work item: one tile's rows
 constexpr int kKeys = 64;  // keys per score step (four tiles); keys are padded to a multiple
 constexpr int kItemRows = 64;  // query rows (all heads of a KV head) that share each K/V tile read
@@ -45,11 +49,6 @@ void configure_tiles() {  // eight tiles of 16 rows x 64 bytes; the configuratio
   kvflow::load_tile_config(c);
 }
 
-template <typename T>
-inline __m512 load16(const T* p) {  // float32, bfloat16 bits or float16
-  return kvflow::simd::load(p);
-}
-inline __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
 
 // 2^t, to 7.5e-5 relative: far inside the bfloat16 rounding (2e-3) the probabilities get before P V, at a
 // third of the work of a float32-exact exp. A degree-3 polynomial on the fraction (fitted for least
@@ -68,74 +67,6 @@ inline __m512 exp2_coarse(__m512 t) {
 inline __mmask16 visible_lanes(int first, int last) {
   const int left = last - first + 1;
   return left >= 16 ? 0xffff : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
-}
-
-// Where a sequence's K/V rows live: the cache, its block table, and this call's packed copy.
-struct Sequence {
-  int q_row;         // first query row of its chunk in q and out
-  int lq, lk;        // chunk rows; positions it sees (the chunk is the last lq of them)
-  const int32_t* table;
-  int64_t packed;    // offset of its tiles in the packed buffers (32-bit words), per KV head: padded * d / 2
-  int padded;        // lk rounded up to kKeys
-};
-
-struct Cache {
-  const void* k;
-  const void* v;
-  int dtype;  // 0 float32, 1 bfloat16, 2 float16
-  int block_size;
-  int hkv, d;
-  bool head_major;  // a block is [hkv, block_size, d], else [block_size, hkv, d] (kvflow_cpu.h)
-};
-
-template <typename T>
-const T* cache_row(const void* base, const Cache& c, const int32_t* table, int pos, int h) {
-  const int64_t row = kvflow::cache_row_index(table[pos / c.block_size], pos % c.block_size, h, c.hkv, c.block_size,
-                                              c.head_major);
-  return static_cast<const T*>(base) + row * c.d;
-}
-
-// Keys [16 b, 16 b + 16) of KV head h as B tiles for Q K^T: per 32 dims, 32-bit word (i, n) holds dims
-// 2i, 2i+1 of key n. Keys past lk are zeros.
-template <typename T>
-void pack_keys(const Cache& c, const Sequence& s, int h, int b, uint32_t* out) {
-  const int chunks = c.d / 32;
-  for (int n = 0; n < 16; ++n) {
-    const int key = b * 16 + n;
-    alignas(64) uint32_t words[64];  // one key as bfloat16 pairs (head sizes up to 128)
-    if (key < s.lk) {
-      const T* row = cache_row<T>(c.k, c, s.table, key, h);
-      for (int j = 0; j < c.d; j += 16) _mm256_store_si256(reinterpret_cast<__m256i*>(words + j / 2), to_bf16(load16(row + j)));
-    } else {
-      std::memset(words, 0, sizeof(words));
-    }
-    for (int ch = 0; ch < chunks; ++ch) {
-      uint32_t* tile = out + (static_cast<int64_t>(b) * chunks + ch) * 256;
-      for (int i = 0; i < 16; ++i) tile[i * 16 + n] = words[ch * 16 + i];
-    }
-  }
-}
-
-// Keys [32 b, 32 b + 32) of KV head h's V as B tiles for P V: per 16 dims, 32-bit word (i, n) holds dim
-// n of keys 2i and 2i + 1. Keys past lk are zeros.
-template <typename T>
-void pack_values(const Cache& c, const Sequence& s, int h, int b, uint32_t* out) {
-  const int groups = c.d / 16;
-  alignas(64) static const uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i idx = _mm512_load_si512(interleave);
-  for (int i = 0; i < 16; ++i) {
-    const int key = b * 32 + 2 * i;
-    const T* even = key < s.lk ? cache_row<T>(c.v, c, s.table, key, h) : nullptr;
-    const T* odd = key + 1 < s.lk ? cache_row<T>(c.v, c, s.table, key + 1, h) : nullptr;
-    for (int g = 0; g < groups; ++g) {
-      const __m256i a = even ? to_bf16(load16(even + g * 16)) : _mm256_setzero_si256();
-      const __m256i bb = odd ? to_bf16(load16(odd + g * 16)) : _mm256_setzero_si256();
-      const __m512i both = _mm512_inserti64x4(_mm512_zextsi256_si512(a), bb, 1);
-      uint32_t* tile = out + (static_cast<int64_t>(b) * groups + g) * 256;
-      _mm512_storeu_si512(tile + i * 16, _mm512_permutexvar_epi16(idx, both));
-    }
-  }
 }
 
 // Pass 1 for keys [64 kb, 64 kb + 64): raw scores of the 16 rows into s (row stride s_stride floats).
@@ -189,32 +120,29 @@ void value_group(const uint16_t* p, int p_stride, int keys, int d, const uint32_
   _tile_stored(3, pv + g0 * 16 + 48, d * 4);
 }
 
+// Keys in blocks of kBlock with a running max and sum per row, the output rescaled when the max rises.
+// The per-block rescale is a few vector ops per row against kBlock keys of tile products, so blocks of
+// 256 keys make it small, while the block's K/V tiles (32 KB each) stay in L1/L2 for all the item's rows.
+constexpr int kBlock = 256;
+
 struct Scratch {  // per thread, grown as needed
   std::vector<uint16_t> q_rows, p;
   std::vector<float> s, pv, out, max, sum;
+  std::vector<int> head, row;         // each item row's query head and chunk row (-1: a padding row)
+  std::vector<uint32_t> k_block, v_block;  // one block's K/V tiles, where the item packs its own
 };
 
-// The rows one work item attends: R consecutive query rows of one sequence for every query head of one
-// KV head (group * R rows, R a multiple of 16), so that each K/V tile read serves all of them. Tile t
-// holds rows [16 t, 16 t + 16) in head-major order: head t / (R / 16), rows r0 + 16 (t % (R / 16)) on.
-struct ItemRows {
-  int r0, rows;    // first chunk row and how many of the R are real (the rest are zero rows)
-  int group, per;  // query heads per KV head; tiles per head (R / 16)
-  int tiles() const { return group * per; }
-  int last_row(int t) const { return r0 + (t % per) * kRows + kRows - 1; }  // chunk row of the tile's last row
-};
-
-// Rows r0 .. r0 + R - 1 of the query heads of KV head hk, flash-style: keys in blocks of kBlock, a running
-// max and sum per row, and the output rescaled when the max rises. The per-block rescale is a few
-// vector ops per row against kBlock keys of tile products, so blocks of 256 keys make it small, while
-// the block's K/V tiles (32 KB each) stay in L1/L2 for all group * R rows.
-constexpr int kBlock = 256;
-
-void attend_item(const float* q, int64_t q_stride, int d, float scale, const Sequence& seq, int hk, const ItemRows& it,
-                 const uint32_t* k_tiles, const uint32_t* v_tiles, uint16_t* out, int64_t out_stride, Scratch& w) {
-  const int tiles = it.tiles(), n = tiles * kRows;
+// The rows one work item attends, all of one KV head's query heads so that each K/V tile read serves
+// them all (n a multiple of 16: w.head and w.row say which query row each is), over keys [k_begin, k_end)
+// of the sequence (k_begin a multiple of kBlock). K/V tiles come packed for the whole sequence, or, where
+// k_tiles is null, the item packs each block itself from the cache. Leaves in w.out the rows' unscaled
+// sums of p V, and in w.max / w.sum their raw-score max and sum of 2^((x - max) scale2) (-inf / 0 for a
+// row that sees none of the keys).
+template <bool kFused>
+void attend_rows(const float* q, int64_t q_stride, int d, float scale, const Cache& cache, const Sequence& seq, int hk,
+                 int n, int k_begin, int k_end, const uint32_t* k_tiles, const uint32_t* v_tiles, Scratch& w) {
+  const int tiles = n / kRows;
   const int offset = seq.lk - seq.lq;  // chunk row r sits at position offset + r and sees keys [0, offset + r]
-  const int last_key = offset + it.r0 + it.rows - 1;  // the last key any real row sees
   w.q_rows.resize(static_cast<size_t>(n) * d);
   w.s.resize(static_cast<size_t>(kRows) * kBlock);
   w.p.resize(static_cast<size_t>(kRows) * kBlock);
@@ -222,28 +150,48 @@ void attend_item(const float* q, int64_t q_stride, int d, float scale, const Seq
   w.out.assign(static_cast<size_t>(n) * d, 0.f);
   w.max.assign(n, -INFINITY);
   w.sum.assign(n, 0.f);
-  for (int t = 0; t < tiles; ++t) {  // the rows as A tiles; rows past the chunk are zeros
-    const int h = hk * it.group + t / it.per;
-    for (int i = 0; i < kRows; ++i) {
-      const int r = it.r0 + (t % it.per) * kRows + i;
-      uint16_t* dst = w.q_rows.data() + (static_cast<int64_t>(t) * kRows + i) * d;
-      if (r < it.r0 + it.rows) {
-        const float* src = q + static_cast<int64_t>(seq.q_row + r) * q_stride + h * d;
-        for (int j = 0; j < d; j += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), to_bf16(load16(src + j)));
-      } else {
-        std::memset(dst, 0, d * 2);
-      }
+  int last_key = -1;  // the last key any real row sees in [k_begin, k_end)
+  for (int f = 0; f < n; ++f) {  // the rows as A tiles; padding rows are zeros
+    uint16_t* dst = w.q_rows.data() + static_cast<int64_t>(f) * d;
+    if (w.row[f] >= 0) {
+      const float* src = q + static_cast<int64_t>(seq.q_row + w.row[f]) * q_stride + w.head[f] * d;
+      for (int j = 0; j < d; j += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), to_bf16(load16(src + j)));
+      last_key = std::max(last_key, std::min(offset + w.row[f], k_end - 1));
+    } else {
+      std::memset(dst, 0, d * 2);
     }
   }
   const float scale2 = scale * 1.44269504f;  // softmax in base 2: the same probabilities
   const int chunks = d / 32, groups = d / 16;
-  for (int k0 = 0; k0 <= last_key; k0 += kBlock) {
-    const uint32_t* kt = k_tiles + static_cast<int64_t>(k0 / 16) * chunks * 256;
-    const uint32_t* vt = v_tiles + static_cast<int64_t>(k0 / 32) * groups * 256;
+  for (int k0 = k_begin; k0 <= last_key; k0 += kBlock) {
+    const uint32_t* kt;
+    const uint32_t* vt;
+    if (!kFused) {
+      kt = k_tiles + static_cast<int64_t>(k0 / 16) * chunks * 256;
+      vt = v_tiles + static_cast<int64_t>(k0 / 32) * groups * 256;
+    } else {  // this block's tiles, packed here while the rows wait: read from the cache once, no copy in memory
+      const int keys = std::min(kBlock, (last_key - k0) / kKeys * kKeys + kKeys);
+      w.k_block.resize(static_cast<size_t>(kBlock) * d / 2);
+      w.v_block.resize(static_cast<size_t>(kBlock) * d / 2);
+      pack_block_any(cache, seq, hk, k0, keys, w.k_block.data(), w.v_block.data());
+      kt = w.k_block.data();
+      vt = w.v_block.data();
+    }
+    // While the rows multiply this block, the next one's cache rows come into L2 (a slice per row tile):
+    // blocks lie anywhere in memory, out of the hardware prefetcher's sight.
+    const int next = k0 + kBlock, next_end = kFused ? std::min(last_key + 1, next + kBlock) : next;
+    const int per_tile = (kBlock + tiles - 1) / tiles;
     // One tile of rows at a time, its scores and probabilities in L1, the block's K/V tiles in L1/L2 for all.
     for (int t = 0; t < tiles; ++t) {
-      const int tile_last = std::min(offset + it.last_row(t), last_key);
-      if (tile_last < k0) continue;  // sees none of this block (nor any after it)
+      if (kFused)
+        for (int key = next + t * per_tile; key < std::min(next_end, next + (t + 1) * per_tile); ++key)
+          prefetch_key(cache, seq, hk, key);
+      int tile_last = -1;  // the last key of this block any of the tile's rows sees
+      for (int i = 0; i < kRows; ++i) {
+        const int r = w.row[t * kRows + i];
+        if (r >= 0) tile_last = std::max(tile_last, std::min(offset + r, last_key));
+      }
+      if (tile_last < k0) continue;  // sees none of this block
       const int tile_keys = std::min(kBlock, (tile_last - k0) / kKeys * kKeys + kKeys);  // padded to kKeys
       const uint16_t* qa = w.q_rows.data() + static_cast<int64_t>(t) * kRows * d;
       for (int kb = 0; kb < tile_keys / kKeys; ++kb) score_block(qa, d, kt, kb, w.s.data(), kBlock);
@@ -251,7 +199,7 @@ void attend_item(const float* q, int64_t q_stride, int d, float scale, const Seq
       float alpha[kRows];
       for (int i = 0; i < kRows; ++i) {
         const int row = t * kRows + i;
-        const int last = offset + it.r0 + (t % it.per) * kRows + i;  // last key this row sees
+        const int last = w.row[row] >= 0 ? std::min(offset + w.row[row], k_end - 1) : -1;  // last key it sees
         const float* sr = w.s.data() + static_cast<int64_t>(i) * kBlock;
         uint16_t* pr = w.p.data() + static_cast<int64_t>(i) * kBlock;
         const int seen = std::max(0, std::min(tile_keys, last - k0 + 1));  // keys of the block this row sees
@@ -288,38 +236,26 @@ void attend_item(const float* q, int64_t q_stride, int d, float scale, const Seq
       }
     }
   }
-  for (int t = 0; t < tiles; ++t) {
-    const int h = hk * it.group + t / it.per;
-    for (int i = 0; i < kRows; ++i) {
-      const int r = it.r0 + (t % it.per) * kRows + i, row = t * kRows + i;
-      if (r >= it.r0 + it.rows) continue;
-      const __m512 inv = _mm512_set1_ps(1.f / w.sum[row]);
-      uint16_t* o = out + static_cast<int64_t>(seq.q_row + r) * out_stride + h * d;
-      const float* acc = w.out.data() + static_cast<int64_t>(row) * d;
-      for (int j = 0; j < d; j += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + j), to_bf16(_mm512_mul_ps(_mm512_loadu_ps(acc + j), inv)));
-    }
-  }
 }
 
-// Inside a parallel region: the threads share the packing. One work unit is 32 keys of one KV head of one
-// sequence (two K blocks of 16, one V block of 32); sequence i's units start at first_unit[i].
-template <typename T>
-void pack(kvflow::Team& team, const Cache& c, const std::vector<Sequence>& seqs, const std::vector<int>& first_unit,
-          uint32_t* k_tiles, uint32_t* v_tiles) {
-  team.for_static(first_unit.back(), [&](int u) {
-    size_t i = 0;
-    while (first_unit[i + 1] <= u) ++i;
-    const Sequence& s = seqs[i];
-    const int local = u - first_unit[i], h = local / (s.padded / 32), b = local % (s.padded / 32);
-    const int64_t at = s.packed * c.hkv + static_cast<int64_t>(h) * s.padded * c.d / 2;
-    pack_keys<T>(c, s, h, 2 * b, k_tiles + at);
-    pack_keys<T>(c, s, h, 2 * b + 1, k_tiles + at);
-    pack_values<T>(c, s, h, b, v_tiles + at);
-  });
+// One query row's output as bfloat16: its sum of p V over its sum of p.
+inline void write_row(const float* acc, float sum, int d, uint16_t* o) {
+  const __m512 inv = _mm512_set1_ps(1.f / sum);
+  for (int j = 0; j < d; j += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + j), to_bf16(_mm512_mul_ps(_mm512_loadu_ps(acc + j), inv)));
 }
+
 #endif
 
 }  // namespace
+
+// Short chunks (an agent's next turn, a speculative check) deep in a long context: all rows of a KV
+// head's query heads fit one item (at most kShortRows of them, the heads' rows packed together so few are
+// padding), and the keys are split among items instead, each packing its own blocks from the cache: the
+// context is read from memory once, not once per block of rows, and the threads share the work however
+// few the rows. A split covers at least kSplitKeys keys; the splits' partial sums are merged at the end.
+constexpr int kShortRows = 512;
+constexpr int kSplitKeys = 2048;
+constexpr int kMaxSplits = 8;
 
 // For every sequence whose chunk has two or more rows: causal attention of its query rows (q float32,
 // heads of size d side by side, row stride q_stride) over its first seq_len positions in the paged cache
@@ -339,49 +275,129 @@ extern "C" int32_t kvflow_prefill_attention_bf16(const KvflowAttention* layer, c
   // Sliding windows, capped scores and sinks: not on tiles.
   if (layer->window > 0 || layer->softcap > 0.f || layer->sinks) return -1;
   const Cache cache{layer->k_cache, layer->v_cache, cache_dtype, layer->block_size, hkv, d, layer->head_major != 0};
+  const int group = hq / hkv;
+  // Long chunks: K/V packed once for the whole sequence (in `words` per KV head), items of rows. Short
+  // ones: items of key splits, each with a slot of partial sums (`partial` floats in all).
   std::vector<Sequence> seqs;
-  int64_t words = 0;  // packed words per KV head, all sequences
+  struct Item { int seq, hk; int r0, rows, per; int k_begin, k_end; int64_t slot; };  // slot < 0: a long chunk's
+  std::vector<Item> items, splits;
+  struct Merge { int seq, hk, n, count; int64_t slot; };  // a short chunk's KV head: its splits' slots
+  std::vector<Merge> merges;
+  int64_t words = 0, partial = 0;
   for (int b = 0; b < num_seqs; ++b) {
     const int lq = query_start[b + 1] - query_start[b], lk = seq_lens[b];
     if (lq < 2 || lq > lk) continue;
+    const int i = static_cast<int>(seqs.size());
+    if (group * lq <= kShortRows) {
+      seqs.push_back({query_start[b], lq, lk, tables + b * table_stride, -1, 0});
+      const int n = (group * lq + kRows - 1) / kRows * kRows;
+      const int count = std::max(1, std::min(kMaxSplits, lk / kSplitKeys));
+      const int span = (lk / count + kBlock - 1) / kBlock * kBlock;  // keys per split, whole blocks
+      for (int hk = 0; hk < hkv; ++hk) {
+        const int64_t first = partial;
+        int made = 0;
+        for (int k0 = 0; k0 < lk; k0 += span, ++made) {
+          splits.push_back({i, hk, 0, n, 0, k0, std::min(lk, k0 + span), partial});
+          partial += static_cast<int64_t>(n) * (d + 2);
+        }
+        merges.push_back({i, hk, n, made, first});
+      }
+      continue;
+    }
     const int padded = (lk + kKeys - 1) / kKeys * kKeys;
     seqs.push_back({query_start[b], lq, lk, tables + b * table_stride, words, padded});
     words += static_cast<int64_t>(padded) * d / 2;
-  }
-  if (seqs.empty()) return 0;
-  // Items: (sequence, row block, KV head), the sequences' later row blocks (which see more keys) first. A
-  // row block is `per` tiles of 16 rows, for about kItemRows rows over the KV head's query heads.
-  const int group = hq / hkv;
-  struct Item { int seq, hk; ItemRows rows; };
-  std::vector<Item> items;
-  for (size_t i = 0; i < seqs.size(); ++i) {
-    const int lq = seqs[i].lq;
+    // A row block is `per` tiles of 16 rows of each query head, for about kItemRows rows over the KV
+    // head's query heads; the later row blocks (which see more keys) first.
     const int per = std::min((kItemRows + kRows * group - 1) / (kRows * group), (lq + kRows - 1) / kRows);
     const int span = per * kRows;
     for (int r0 = (lq - 1) / span * span; r0 >= 0; r0 -= span)
-      for (int hk = 0; hk < hkv; ++hk) items.push_back({static_cast<int>(i), hk, {r0, std::min(span, lq - r0), group, per}});
+      for (int hk = 0; hk < hkv; ++hk) items.push_back({i, hk, r0, std::min(span, lq - r0), per, 0, lk, -1});
   }
-  std::vector<int> first_unit(seqs.size() + 1, 0);
-  for (size_t i = 0; i < seqs.size(); ++i) first_unit[i + 1] = first_unit[i] + hkv * seqs[i].padded / 32;
+  if (seqs.empty()) return 0;
+  items.insert(items.end(), splits.begin(), splits.end());
+  std::vector<int> long_seqs, first_unit(1, 0);
+  for (size_t i = 0; i < seqs.size(); ++i)
+    if (seqs[i].packed >= 0) {
+      long_seqs.push_back(static_cast<int>(i));
+      first_unit.push_back(first_unit.back() + hkv * seqs[i].padded / 32);
+    }
+  std::vector<Sequence> packed_seqs;
+  for (int i : long_seqs) packed_seqs.push_back(seqs[i]);
   thread_local std::vector<uint32_t> k_tiles, v_tiles;  // reused across calls: no page faults per layer
+  thread_local std::vector<float> partials;
   k_tiles.resize(words * hkv);
   v_tiles.resize(words * hkv);
+  partials.resize(partial);
   uint32_t* kt = k_tiles.data();
   uint32_t* vt = v_tiles.data();
-  const int num_items = static_cast<int>(items.size());
+  float* parts = partials.data();
+  const int num_items = static_cast<int>(items.size()), num_merges = static_cast<int>(merges.size());
   kvflow::parallel(num_threads, [&](kvflow::Team& team) {
-    if (cache_dtype == 0) pack<float>(team, cache, seqs, first_unit, kt, vt);
-    else if (cache_dtype == 1) pack<uint16_t>(team, cache, seqs, first_unit, kt, vt);
-    else pack<kvflow::float16>(team, cache, seqs, first_unit, kt, vt);
+    if (cache_dtype == 0) pack<float>(team, cache, packed_seqs, first_unit, kt, vt);
+    else if (cache_dtype == 1) pack<uint16_t>(team, cache, packed_seqs, first_unit, kt, vt);
+    else pack<kvflow::float16>(team, cache, packed_seqs, first_unit, kt, vt);
     configure_tiles();
-    thread_local Scratch scratch;
+    thread_local Scratch w;
     team.for_dynamic(num_items, [&](int i) {
       const Item& it = items[i];
       const Sequence& s = seqs[it.seq];
-      const int64_t at = s.packed * hkv + static_cast<int64_t>(it.hk) * s.padded * d / 2;
-      attend_item(q, q_stride, d, scale, s, it.hk, it.rows, kt + at, vt + at, out, out_stride, scratch);
+      const int n = it.slot < 0 ? group * it.per * kRows : it.rows;
+      w.head.resize(n);
+      w.row.resize(n);
+      for (int f = 0; f < n; ++f) {
+        if (it.slot < 0) {  // tile t: rows r0 + 16 (t % per) on of head t / per
+          const int t = f / kRows, r = it.r0 + (t % it.per) * kRows + f % kRows;
+          w.head[f] = it.hk * group + t / it.per;
+          w.row[f] = r < it.r0 + it.rows ? r : -1;
+        } else {  // the heads' rows one after the other
+          w.head[f] = it.hk * group + f / s.lq;
+          w.row[f] = f < group * s.lq ? f % s.lq : -1;
+        }
+      }
+      if (it.slot < 0) {
+        const int64_t at = s.packed * hkv + static_cast<int64_t>(it.hk) * s.padded * d / 2;
+        attend_rows<false>(q, q_stride, d, scale, cache, s, it.hk, n, 0, s.lk, kt + at, vt + at, w);
+        for (int f = 0; f < n; ++f)
+          if (w.row[f] >= 0)
+            write_row(w.out.data() + static_cast<int64_t>(f) * d, w.sum[f], d,
+                      out + static_cast<int64_t>(s.q_row + w.row[f]) * out_stride + w.head[f] * d);
+      } else {
+        attend_rows<true>(q, q_stride, d, scale, cache, s, it.hk, n, it.k_begin, it.k_end, nullptr, nullptr, w);
+        float* slot = parts + it.slot;
+        std::memcpy(slot, w.out.data(), sizeof(float) * n * d);
+        std::memcpy(slot + static_cast<int64_t>(n) * d, w.max.data(), sizeof(float) * n);
+        std::memcpy(slot + static_cast<int64_t>(n) * (d + 1), w.sum.data(), sizeof(float) * n);
+      }
     });
     _tile_release();
+    // A short chunk's rows: the splits' sums rescaled to their common max, added, divided.
+    const float scale2 = scale * 1.44269504f;
+    team.for_static(num_merges, [&](int m) {
+      const Merge& mg = merges[m];
+      const Sequence& s = seqs[mg.seq];
+      const int n = mg.n;
+      const int64_t stride = static_cast<int64_t>(n) * (d + 2);
+      alignas(64) float acc[128];
+      for (int f = 0; f < group * s.lq; ++f) {
+        float top = -INFINITY;
+        for (int c = 0; c < mg.count; ++c) top = std::max(top, parts[mg.slot + c * stride + static_cast<int64_t>(n) * d + f]);
+        float sum = 0.f;
+        for (int j = 0; j < d; j += 16) _mm512_store_ps(acc + j, _mm512_setzero_ps());
+        for (int c = 0; c < mg.count; ++c) {
+          const float* slot = parts + mg.slot + c * stride;
+          const float mx = slot[static_cast<int64_t>(n) * d + f];
+          if (mx == -INFINITY) continue;  // this split held none of the row's keys
+          const float wgt = std::exp2((mx - top) * scale2);
+          sum += slot[static_cast<int64_t>(n) * (d + 1) + f] * wgt;
+          const __m512 a = _mm512_set1_ps(wgt);
+          for (int j = 0; j < d; j += 16)
+            _mm512_store_ps(acc + j, _mm512_fmadd_ps(_mm512_loadu_ps(slot + static_cast<int64_t>(f) * d + j), a, _mm512_load_ps(acc + j)));
+        }
+        const int h = mg.hk * group + f / s.lq, r = f % s.lq;
+        write_row(acc, sum, d, out + static_cast<int64_t>(s.q_row + r) * out_stride + h * d);
+      }
+    });
   });
   return 0;
 #else
