@@ -122,8 +122,9 @@ class LLMEngine(RequestIntake, LogprobRecording):
             raise
         self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.group_blocks, self.runner.group_windows)
         tier = open_disk_tier(config.cache, self.loaded, self.runner)  # the prefix cache's, if the options ask
-        self.scheduler.kv_cache_manager.tier = tier
         self.prefix_store = None if tier is None else tier.store
+        if tier is not None:
+            self.scheduler.kv_cache_manager.tier = tier
         self.sampler = Sampler()
         self.eos_token_ids = self._eos_ids()
         self.groups: dict[str, RequestGroup] = {}
