@@ -164,6 +164,10 @@ class ScheduledSequence:
         known = self.num_tokens - len(self.draft_token_ids)
         return self.request.all_token_ids[self.start : self.start + known] + list(self.draft_token_ids)
 
+    @property
+    def positions(self) -> range:
+        return range(self.start, self.start + self.num_tokens)
+
 
 @dataclass
 class SchedulerOutput:
