@@ -25,7 +25,7 @@ import time
 from results_file import publish, table_section
 
 from kvflow import LLM, SamplingParams
-from kvflow.engine.stats import StepHistory
+from kvflow.engine.engine import StepHistory
 from kvflow.kernels.cpu_features import cpu_name, isa_tier
 
 BASELINE_STEPS = 30

@@ -32,9 +32,10 @@ from kvflow.engine.async_engine import (
 )
 from kvflow.engine.core_output import CoreOutput
 from kvflow.engine.core_process import CoreInfo, core_main
+from kvflow.engine.engine import StepHistory
 from kvflow.engine.intake import tokenize_prompt
 from kvflow.engine.output_assembly import RequestAssembler
-from kvflow.engine.stats import EngineStats, StepHistory
+from kvflow.engine.stats import EngineStats
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
 

@@ -1,4 +1,5 @@
-"""LLMEngine: the synchronous step loop. schedule -> forward -> sample -> update -> detokenize -> outputs.
+"""LLMEngine: the synchronous step loop. schedule -> forward -> sample -> update -> detokenize -> outputs;
+each step leaves a StepRecord in the engine's StepHistory (the server's page draws them, --trace writes them).
 
 Everything here runs on the caller's thread; the server wraps it in a background thread
 (async_engine.py) so HTTP work never stalls a step. How requests enter and leave (validation, the
@@ -11,28 +12,26 @@ import atexit
 import functools
 import json
 import logging
+import threading
 import time
 import weakref
+from collections import deque
 from concurrent.futures import Future
+from dataclasses import asdict, dataclass
 
 import torch
 
 from kvflow.config import EngineConfig
 from kvflow.distributed import launch as tp_launch
-from kvflow.distributed.step_channel import CacheLayout, Driver
 from kvflow.engine import rank_worker
 from kvflow.engine.detokenizer import add_tokens
 from kvflow.engine.intake import RequestIntake
-from kvflow.engine.kv_cache_alloc import bytes_per_block
 from kvflow.engine.logprobs import LogprobRecording
-from kvflow.engine.prefix_store import DiskPrefixStore
-from kvflow.engine.prefix_tier import DiskTier, store_namespace
-from kvflow.engine.request import Request, RequestGroup, RequestStatus, SequenceState
+from kvflow.engine.prefix_tier import open_disk_tier
+from kvflow.engine.request import Request, RequestGroup, RequestStatus, SchedulerOutput, SequenceState
 from kvflow.engine.runner import ModelRunner
 from kvflow.engine.scheduler import Scheduler
-from kvflow.engine.scheduler_output import SchedulerOutput
 from kvflow.engine.speculation import Speculator, kept_tokens
-from kvflow.engine.stats import StepHistory, StepRecord
 from kvflow.engine.step_budget import is_decode
 from kvflow.executors.model_setup import LoadedModel, ModelSummary, load_model, set_threads
 from kvflow.layers.sampler import Sampler, SamplingRow, position_generator
@@ -44,6 +43,49 @@ from kvflow.structured.compiler import GrammarCompiler
 from kvflow.structured.mask_prefetch import MaskPrefetcher, has_idle_core
 
 log = logging.getLogger("kvflow")
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one step ran: how many prompt (prefill) and decode tokens, how long it took, how full the KV
+    cache was after it."""
+
+    step: int  # the engine's step number, from 1
+    t: float  # wall clock (time.time()) at the step's end
+    seconds: float  # the step's duration
+    prefill_tokens: int  # tokens of prompt chunks (and of outputs recomputed after a preemption)
+    decode_tokens: int  # tokens of sequences decoding: one each, plus the drafts a speculative step verifies
+    batch_size: int  # sequences in the step
+    kv_usage: float  # fraction of KV blocks held by requests after the step
+    # The time this step was planned to stay within, with sequences decoding beside prompt chunks
+    # (engine/step_budget.py); 0 where no such bound applied.
+    limit_seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class StepHistory:
+    """The engine's last steps, one StepRecord each. The engine thread appends one a step; any other thread
+    reads those after a step number. A bounded deque under a lock: a step pays one append, a reader a copy
+    of what it asks for. The server's page draws them (a long prompt's chunks between other users' decode
+    steps); --trace writes the same records to a file."""
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self._records: deque[StepRecord] = deque(maxlen=capacity)
+        self._lock = threading.Lock()
+
+    def add(self, record: StepRecord) -> None:
+        with self._lock:
+            self._records.append(record)
+
+    def since(self, step: int, limit: int | None = None) -> list[StepRecord]:
+        """The records after step number `step`, oldest first (at most the last `limit` of them)."""
+        with self._lock:
+            records = list(self._records)
+        newer = [r for r in records if r.step > step]
+        return newer[-limit:] if limit else newer
+
 
 class LLMEngine(RequestIntake, LogprobRecording):
     """One model's engine: requests come in (intake.py), each step() schedules, runs the forward, samples,
@@ -65,7 +107,7 @@ class LLMEngine(RequestIntake, LogprobRecording):
         self._stop_ranks = weakref.finalize(self, self.ranks.stop) if self.ranks is not None else None
         try:
             self.loaded = loaded or load_model(config.model, tensor_parallel=self.ranks and self.ranks.tp)
-            # The speculative config, "auto" decided for this device: read here and by _lead_ranks.
+            # The speculative config, "auto" decided for this device: read here and by rank_worker.lead.
             self.speculative = resolve_speculation(config.speculative_config, self.loaded.device.type)
             self.tokenizer = self.loaded.tokenizer
             self.max_model_len = self.loaded.max_model_len
@@ -73,13 +115,16 @@ class LLMEngine(RequestIntake, LogprobRecording):
             self.runner = ModelRunner(self.loaded, config.cache, attention_backend, config.scheduler.max_num_seqs,
                                       max_num_batched_tokens=config.scheduler.max_num_batched_tokens)
             if self.ranks is not None:
-                self._lead_ranks(attention_backend)
+                rank_worker.lead(self.runner, self.ranks, config, self.speculative, attention_backend)
         except BaseException:
             if self._stop_ranks is not None:
                 self._stop_ranks()
             raise
         self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.group_blocks, self.runner.group_windows)
-        self.prefix_store = self._open_prefix_store()
+        tier = open_disk_tier(config.cache, self.loaded, self.runner)  # the prefix cache's, if the options ask
+        self.prefix_store = None if tier is None else tier.store
+        if tier is not None:
+            self.scheduler.kv_cache_manager.tier = tier
         self.sampler = Sampler()
         self.eos_token_ids = self._eos_ids()
         self.groups: dict[str, RequestGroup] = {}
@@ -101,45 +146,10 @@ class LLMEngine(RequestIntake, LogprobRecording):
             source = build_source(spec, self.loaded, config.scheduler.max_num_seqs)
             self.speculator = Speculator(spec, source, self.scheduler.step_budget.decode_costs)
 
-    def _lead_ranks(self, attention_backend: str) -> None:
-        """Rank 0 of a tensor-parallel group: refuse what cannot run split yet, lay the other ranks' KV caches
-        out as this one's, then hand them every step."""
-        if self.config.cache.prefix_cache_dir is not None:
-            raise ValueError("--prefix-cache-dir does not run with tensor parallelism yet (each rank holds a "
-                             "share of every block)")
-        if self.speculative is not None and self.speculative.method == "draft_model":
-            raise ValueError("a draft model does not run with tensor parallelism yet; use ngram or suffix")
-        runner, sched = self.runner, self.config.scheduler
-        layout = CacheLayout(runner.group_blocks, runner.block_size, self.config.cache.kv_cache_dtype,
-                             attention_backend, sched.max_num_seqs, sched.max_num_batched_tokens)
-        runner.tp_driver = Driver(self.ranks)
-        runner.tp_driver.send_layout(layout)
-
     @property
     def failure(self) -> str | None:
         """Why this engine cannot run another step (a tensor-parallel rank died), or None."""
         return None if self.ranks is None else self.ranks.failure
-
-    def _open_prefix_store(self) -> DiskPrefixStore | None:
-        """The prefix cache's disk tier, where the options ask for it and the cache allows it."""
-        cache = self.config.cache
-        if cache.prefix_cache_dir is None:
-            return None
-        if not cache.enable_prefix_caching:
-            raise ValueError("--prefix-cache-dir needs prefix caching (drop --no-prefix-caching)")
-        if len(self.runner.group_windows) > 1 or self.runner.group_windows[0]:
-            log.warning("the prefix cache's disk tier is off: this model has sliding-window layers")
-            return None
-        runner = self.runner
-        namespace = store_namespace(self.loaded, runner.block_size, runner.kv_dtype)
-        block_bytes = bytes_per_block(self.loaded.arch, runner.block_size, runner.kv_dtype)
-        try:
-            store = DiskPrefixStore(cache.prefix_cache_dir, namespace, block_bytes, cache.prefix_cache_disk)
-        except OSError as exc:
-            raise ValueError(f"the prefix cache's folder {cache.prefix_cache_dir!r} cannot be used: {exc}") from None
-        self.scheduler.kv_cache_manager.tier = DiskTier(store, runner.kv_caches)
-        atexit.register(store.close)  # what is still queued reaches the disk on a clean exit
-        return store
 
     def close(self) -> None:
         """Finish what must outlive the engine: blocks queued for the prefix cache's disk tier; the other

@@ -12,8 +12,14 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvflow.engine.detokenizer import NO_DETOKENIZER, IncrementalDetokenizer
-from kvflow.engine.request import Request, RequestGroup, RequestStatus, SequenceState
-from kvflow.engine.scheduler_output import ScheduledSequence, SchedulerOutput
+from kvflow.engine.request import (
+    Request,
+    RequestGroup,
+    RequestStatus,
+    ScheduledSequence,
+    SchedulerOutput,
+    SequenceState,
+)
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured.sequence_grammar import SequenceGrammar

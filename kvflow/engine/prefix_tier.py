@@ -1,23 +1,36 @@
-"""Moves full KV blocks between the paged cache's tensors and the disk store (engine/prefix_store.py).
+"""The prefix cache's disk tier: opened where the options ask for it (open_disk_tier, with the namespace
+that names what its blocks' bytes depend on), it moves full KV blocks between the paged cache's tensors and
+the disk store (engine/prefix_store.py).
 
 The KV cache manager decides which blocks move: it offers each block it registers in the prefix cache,
-and on a lookup it asks for the blocks that follow its in-memory hits. This file only copies: a block's
+and on a lookup it asks for the blocks that follow its in-memory hits. DiskTier only copies: a block's
 bytes are every layer's K then V rows for it ([layers, 2, block_size, kv_heads, head_dim]), in the cache's
 dtype, so a block read back is bit for bit the block that was written.
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+from kvflow.config import CacheConfig
 from kvflow.engine.block_pool import BlockHash
+from kvflow.engine.kv_cache_alloc import bytes_per_block
 from kvflow.engine.prefix_store import DiskPrefixStore
+
+if TYPE_CHECKING:
+    from kvflow.engine.runner import ModelRunner
+    from kvflow.executors.model_setup import LoadedModel
+
+log = logging.getLogger("kvflow")
 
 
 def store_namespace(loaded, block_size: int, kv_dtype: torch.dtype) -> str:
@@ -35,6 +48,28 @@ def store_namespace(loaded, block_size: int, kv_dtype: torch.dtype) -> str:
                       "executor": plan.executor, "kv_dtype": str(kv_dtype), "block_size": block_size},
                      sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def open_disk_tier(cache: CacheConfig, loaded: LoadedModel, runner: ModelRunner) -> DiskTier | None:
+    """The prefix cache's disk tier, where the options ask for it and the cache allows it: its store opened
+    in the folder they name (closed at exit) and bound to the runner's KV cache; the KV cache manager's
+    `tier` then. None without --prefix-cache-dir."""
+    if cache.prefix_cache_dir is None:
+        return None
+    if not cache.enable_prefix_caching:
+        raise ValueError("--prefix-cache-dir needs prefix caching (drop --no-prefix-caching)")
+    if len(runner.group_windows) > 1 or runner.group_windows[0]:
+        log.warning("the prefix cache's disk tier is off: this model has sliding-window layers")
+        return None
+    namespace = store_namespace(loaded, runner.block_size, runner.kv_dtype)
+    block_bytes = bytes_per_block(loaded.arch, runner.block_size, runner.kv_dtype)
+    try:
+        store = DiskPrefixStore(cache.prefix_cache_dir, namespace, block_bytes, cache.prefix_cache_disk)
+    except OSError as exc:
+        raise ValueError(f"the prefix cache's folder {cache.prefix_cache_dir!r} cannot be used: {exc}") from None
+    tier = DiskTier(store, runner.kv_caches)
+    atexit.register(store.close)  # what is still queued reaches the disk on a clean exit
+    return tier
 
 
 class DiskTier:

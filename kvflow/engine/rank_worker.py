@@ -1,8 +1,10 @@
-"""A rank other than 0: load this rank's shard, build a KV cache laid out as rank 0's, run every step it sends.
+"""Tensor parallelism's two ends of the engine. Rank 0's engine leads (`lead`): it sends the other ranks
+the layout of its KV cache, then every step. A rank other than 0 (`run`): load this rank's shard, build a
+KV cache laid out as rank 0's, run every step it sends.
 
-Started by kvflow/distributed/launch.py (spawned on this machine; the engine names this module) or by
-torchrun (`kvflow serve --tensor-parallel-size N` on each node: ranks other than 0 land here instead of
-serving). It never samples, schedules or answers anyone.
+The other ranks are started by kvflow/distributed/launch.py (spawned on this machine; the engine names this
+module) or by torchrun (`kvflow serve --tensor-parallel-size N` on each node: ranks other than 0 land here
+instead of serving). They never sample, schedule or answer anyone.
 """
 
 from __future__ import annotations
@@ -11,14 +13,36 @@ import faulthandler
 import json
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvflow.config import CacheConfig, ModelConfig
+from kvflow.config import CacheConfig, EngineConfig, ModelConfig
 from kvflow.distributed import group, step_channel
 from kvflow.distributed.group import TensorParallelError
+from kvflow.distributed.step_channel import CacheLayout, Driver
+
+if TYPE_CHECKING:
+    from kvflow.engine.runner import ModelRunner
+    from kvflow.spec.config import SpeculativeConfig
 
 log = logging.getLogger("kvflow")
+
+
+def lead(runner: ModelRunner, ranks, config: EngineConfig, speculative: SpeculativeConfig | None,
+         attention_backend: str) -> None:
+    """Rank 0 of a tensor-parallel group (`ranks`, as kvflow/distributed/launch.py started them): refuse what
+    cannot run split yet, lay the other ranks' KV caches out as this one's, then hand them every step."""
+    if config.cache.prefix_cache_dir is not None:
+        raise ValueError("--prefix-cache-dir does not run with tensor parallelism yet (each rank holds a "
+                         "share of every block)")
+    if speculative is not None and speculative.method == "draft_model":
+        raise ValueError("a draft model does not run with tensor parallelism yet; use ngram or suffix")
+    sched = config.scheduler
+    layout = CacheLayout(runner.group_blocks, runner.block_size, config.cache.kv_cache_dtype,
+                         attention_backend, sched.max_num_seqs, sched.max_num_batched_tokens)
+    runner.tp_driver = Driver(ranks)
+    runner.tp_driver.send_layout(layout)
 
 
 def spawned_main(argv: list[str]) -> int:

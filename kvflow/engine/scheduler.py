@@ -22,8 +22,7 @@ from collections import deque
 from kvflow.config import CacheConfig, SchedulerConfig
 from kvflow.engine.kv_cache_groups import KVCacheGroups
 from kvflow.engine.kv_cache_manager import KVCacheManager
-from kvflow.engine.request import Request, RequestStatus, now
-from kvflow.engine.scheduler_output import ScheduledSequence, SchedulerOutput
+from kvflow.engine.request import Request, RequestStatus, ScheduledSequence, SchedulerOutput, now
 from kvflow.engine.step_budget import StepBudget
 
 PROMPT_LOGITS_CHUNK = 512  # at most this many prompt tokens a step for a request that wants their logits

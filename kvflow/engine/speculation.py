@@ -1,6 +1,6 @@
 """The engine's side of speculative decoding: before each step, give the decoding sequences that may
-speculate their draft tokens (as many as pay: the second half of this file); after it, learn from what was kept
-and from what the step cost. The scheduler gives drafts KV slots and rolls back the rejected ones; the
+speculate their draft tokens (from a draft source: prompt lookup by default, in the middle of this file; as
+many as pay: its last part); after it, learn from what was kept and from what the step cost. The scheduler gives drafts KV slots and rolls back the rejected ones; the
 runner returns logits for every draft position; the engine keeps the longest run the model agrees with.
 
 Why it is lossless: each position of a verify step is sampled exactly as plain decoding would sample it
@@ -17,11 +17,13 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
 
 from kvflow.engine.request import Request
 from kvflow.engine.step_budget import StepCosts
 from kvflow.spec.config import SpeculativeConfig
-from kvflow.spec.sources import DraftSource
 
 # The step-cost fit that prices drafts may lag this many decode steps: a refit is a numpy solve, on a small
 # model a few percent of a step, and a row's price moves little in eight steps.
@@ -123,6 +125,81 @@ def kept_tokens(model_tokens: list[int], drafts: list[int]) -> list[int]:
             break
         kept.append(model_tokens[r])
     return kept
+
+
+# ---- where drafts come from ------------------------------------------------------------------------
+# A source is given the sequences about to decode and how many tokens each may draft, and returns a guess
+# per sequence and how far to trust it (the matched suffix's length for a lookup; 0 where there is no such
+# measure). The default, prompt lookup, is here: it needs no model and keeps no state. The others, and the
+# choice among them (`speculative_config.method`), are in spec/sources.py.
+
+class DraftSource(Protocol):
+    # True where each draft token costs a forward of its own (a draft model): the Speculator then decides
+    # how many a sequence drafts before asking, not after.
+    drafts_cost_compute: bool
+
+    def propose(self, requests: list[Request], limits: list[int]) -> list[tuple[list[int], int]]:
+        """Per request, (at most limits[i] guessed tokens after its known ones, the match length)."""
+        ...
+
+    def seconds_per_draft(self) -> float:
+        """What drafting one token costs beyond verifying it (0 for lookups)."""
+        ...
+
+    def finished(self, request: Request) -> None:
+        """The request has left the engine (finished or aborted)."""
+        ...
+
+
+class NgramProposer:
+    """Prompt lookup: the draft is what followed the latest earlier occurrence of the sequence's longest
+    repeated suffix (in its prompt or its own output). Agents copy long spans of their context (the file they
+    edit, the tool output they quote), and there the lookup guesses right for many tokens in a row. How many
+    tokens matched says how far to trust it: a 12-token match is a copy in progress, a 2-token one a guess."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, tokens: np.ndarray, k: int) -> tuple[list[int], int]:
+        """(up to k tokens to guess after `tokens` (int64, the whole sequence so far), the length of the
+        matched suffix); ([], 0) when no suffix of min_n tokens occurred before."""
+        length = len(tokens)
+        if length < 2 or k < 1:
+            return [], 0
+        # Earlier positions holding the last token, then kept while the tokens before them match too.
+        ends = np.flatnonzero(tokens[: length - 1] == tokens[-1])
+        matched, best = 1, ends
+        for n in range(2, min(self.max_n, length - 1) + 1):
+            ends = ends[ends >= n - 1]
+            ends = ends[tokens[ends - (n - 1)] == tokens[length - n]]
+            if ends.size == 0:
+                break
+            matched, best = n, ends
+        if matched < self.min_n or best.size == 0:
+            return [], 0
+        start = int(best[-1]) + 1  # the latest occurrence: recent context predicts best
+        return tokens[start:start + k].tolist(), matched
+
+
+class PromptLookup:
+    """The default source ("ngram"): prompt lookup over each request's own tokens."""
+
+    drafts_cost_compute = False
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+
+    def propose(self, requests: list[Request], limits: list[int]) -> list[tuple[list[int], int]]:
+        return [self._best(np.asarray(r.all_token_ids, dtype=np.int64), k) for r, k in zip(requests, limits)]
+
+    def _best(self, tokens: np.ndarray, k: int) -> tuple[list[int], int]:
+        return self.ngram.propose(tokens, k)
+
+    def seconds_per_draft(self) -> float:
+        return 0.0
+
+    def finished(self, request: Request) -> None:
+        pass
 
 
 # ---- how many drafts pay -----------------------------------------------------------------------------

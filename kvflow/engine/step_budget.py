@@ -27,8 +27,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from kvflow.engine.request import Request
-from kvflow.engine.scheduler_output import ScheduledSequence, SchedulerOutput
+from kvflow.engine.request import Request, ScheduledSequence, SchedulerOutput
 
 
 class DecayedFit:

@@ -13,21 +13,17 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from kvflow.config import CacheConfig, ModelConfig
 from kvflow.engine.kv_cache_alloc import bytes_per_block
+from kvflow.engine.request import Request, ScheduledSequence, SchedulerOutput
 from kvflow.engine.runner import ModelRunner
-from kvflow.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from kvflow.executors.model_setup import LoadedModel, load_model
 from kvflow.loader.model_loader import open_model_files, read_arch
 from kvflow.loader.resolve import resolve_model
 from kvflow.spec.config import SpeculativeConfig
-
-if TYPE_CHECKING:
-    from kvflow.engine.request import Request
 
 BLOCK_SIZE = 16
 CATCH_UP_CHUNK = 1024  # the most tokens of one sequence its draft cache computes per pass

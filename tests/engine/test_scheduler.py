@@ -5,9 +5,8 @@ import zlib
 import pytest
 
 from kvflow.config import CacheConfig, SchedulerConfig
-from kvflow.engine.request import Request, RequestStatus
+from kvflow.engine.request import Request, RequestStatus, ScheduledSequence, SchedulerOutput
 from kvflow.engine.scheduler import Scheduler
-from kvflow.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from kvflow.sampling_params import SamplingParams
 
 EOS = 2

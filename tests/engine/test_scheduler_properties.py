@@ -16,9 +16,8 @@ from hypothesis import strategies as st
 
 from kvflow.config import CacheConfig, SchedulerConfig
 from kvflow.engine.block_pool import hash_block_tokens
-from kvflow.engine.request import Request, RequestStatus
+from kvflow.engine.request import Request, RequestStatus, SchedulerOutput
 from kvflow.engine.scheduler import Scheduler
-from kvflow.engine.scheduler_output import SchedulerOutput
 from kvflow.sampling_params import SamplingParams
 
 VOCAB = 12

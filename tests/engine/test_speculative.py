@@ -17,11 +17,17 @@ from hypothesis import strategies as st
 
 from kvflow import LLM, SamplingParams
 from kvflow.config import ModelConfig
-from kvflow.engine.speculation import FIT_STALE_STEPS, Acceptance, Speculator, allocate_drafts, kept_tokens
+from kvflow.engine.speculation import (
+    FIT_STALE_STEPS,
+    Acceptance,
+    NgramProposer,
+    Speculator,
+    allocate_drafts,
+    kept_tokens,
+)
 from kvflow.engine.step_budget import StepCosts
 from kvflow.executors.model_setup import load_model
 from kvflow.spec.config import SpeculativeConfig, resolve
-from kvflow.spec.sources import NgramProposer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 6}

@@ -18,8 +18,7 @@ from tiny_models import make_tiny_checkpoint
 
 from kvflow import SamplingParams
 from kvflow.config import ModelConfig
-from kvflow.engine.request import Request
-from kvflow.engine.scheduler_output import ScheduledSequence
+from kvflow.engine.request import Request, ScheduledSequence
 from kvflow.executors import native_model
 from kvflow.executors import plan as plan_module
 from kvflow.executors.cpu_fast import CpuFastExecutor
