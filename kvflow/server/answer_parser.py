@@ -1,5 +1,6 @@
 """An answer as the APIs return it: thinking (reasoning.py), content, and tool calls (tool_calls.py), split
-out of the model's text as it streams. Both parsers hold back only what may still turn out to be a tag."""
+out of the model's text as it streams. Both parsers hold back only what may still turn out to be a tag.
+The chat pipeline hands each new piece of text to answer_pieces, whose pieces its events carry."""
 
 from __future__ import annotations
 
@@ -7,6 +8,10 @@ from dataclasses import dataclass, field
 
 from kvflow.server.reasoning import ReasoningParser
 from kvflow.server.tool_calls import ToolCall, ToolCallParser
+
+
+class Reasoning(str):
+    """A piece of an answer's thinking (answer_pieces gives plain str for content)."""
 
 
 @dataclass
@@ -60,3 +65,25 @@ class AnswerParser:
 
 def _from_tools(parsed) -> AnswerPiece:
     return AnswerPiece(content=parsed.content, calls=list(parsed.calls))
+
+
+def answer_pieces(parser: AnswerParser, text: str, finished: bool) -> list[str | ToolCall]:
+    """What new text adds to an answer, in order: thinking (Reasoning), content (str), completed calls;
+    with finished, what the parser held back too. Adjacent pieces of one kind are joined."""
+    pieces: list[str | ToolCall] = []
+    if text:
+        _add(pieces, parser.feed(text))
+    if finished:
+        _add(pieces, parser.finish())
+    return pieces
+
+
+def _add(pieces: list[str | ToolCall], piece: AnswerPiece) -> None:
+    for new in (Reasoning(piece.reasoning) if piece.reasoning else None, piece.content or None, *piece.calls):
+        if new is None:
+            continue
+        last = pieces[-1] if pieces else None
+        if isinstance(new, str) and isinstance(last, str) and type(last) is type(new):
+            pieces[-1] = type(new)(last + new)
+        else:
+            pieces.append(new)

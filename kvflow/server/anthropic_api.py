@@ -1,8 +1,9 @@
 """Anthropic's Messages API (POST /v1/messages), so that clients written for it (the `anthropic` SDK,
 Claude Code pointed at a local server) can use kvflow: content blocks of text and tool_use, stop_reason,
 usage, and when streamed, its events (message_start, content_block_start/delta/stop, message_delta,
-message_stop). The request runs as a chat completion (anthropic_protocol.py). POST /v1/messages/count_tokens
-counts the prompt the same request would run."""
+message_stop). An adapter of the chat pipeline (chat_pipeline.py): the request becomes the internal chat
+request (anthropic_protocol.py), and the pipeline's events become content blocks and their events. POST
+/v1/messages/count_tokens counts the prompt the same request would run."""
 
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from kvflow.engine.async_engine import EngineDeadError
 from kvflow.outputs import RequestOutput
 from kvflow.server import openapi
+from kvflow.server.answer_parser import Reasoning
 from kvflow.server.anthropic_protocol import CountTokensRequest, MessagesRequest
-from kvflow.server.chat_prompt import prepare_chat
-from kvflow.server.chat_run import ChatRun, Reasoning, answer_pieces, start_chat, whole_answer
+from kvflow.server.chat_pipeline import ChatRun, prepare_chat, start_chat
+from kvflow.server.metrics import request_timings, timing_headers
 from kvflow.server.openai_api import SSE_HEADERS
-from kvflow.server.serving import get_state, parse_body, request_timings, timing_headers
+from kvflow.server.serving import get_state, parse_body
 from kvflow.server.tool_calls import ToolCall
 
 router = APIRouter()
@@ -71,14 +73,14 @@ async def create_message(request: Request):
     head = {"id": message_id, "type": "message", "role": "assistant", "model": state.model_name}
     if body.stream:
         return StreamingResponse(_events(request, run, head), media_type="text/event-stream", headers=SSE_HEADERS)
-    answer = await whole_answer(request, run)
+    final, (answer,) = await run.answers(request)
     content = [{"type": "thinking", "thinking": answer.reasoning, "signature": ""}] if answer.reasoning else []
     if answer.content.strip() or not answer.calls:
         content.append({"type": "text", "text": answer.content})
     content += [_tool_use(call) for call in answer.calls]
-    stop = answer.output.outputs[0].stop_reason
-    doc = {**head, "content": content, "stop_reason": _stop_reason(answer.output, bool(answer.calls)),
-           "stop_sequence": stop if isinstance(stop, str) else None, "usage": _usage(answer.output)}
+    stop = final.outputs[0].stop_reason
+    doc = {**head, "content": content, "stop_reason": _stop_reason(final, bool(answer.calls)),
+           "stop_sequence": stop if isinstance(stop, str) else None, "usage": _usage(final)}
     return JSONResponse(doc, headers=timing_headers(doc["usage"]["kvflow_timings"]))
 
 
@@ -91,14 +93,14 @@ def _event(kind: str, **fields) -> str:
 
 async def _events(request: Request, run: ChatRun, head: dict) -> AsyncIterator[str]:
     # The whole prompt's count: what of it the prefix cache holds is known once it runs (message_delta).
-    usage = {"input_tokens": run.prompt_tokens, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0,
+    usage = {"input_tokens": len(run.prompt_ids), "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0,
              "output_tokens": 0}
     yield _event("message_start", message={**head, "content": [], "stop_reason": None, "stop_sequence": None,
                                            "usage": usage})
     index, called = 0, False
     open_kind: str | None = None  # the kind of the text block being streamed: "thinking" or "text"
     try:
-        async for piece in answer_pieces(request, run):
+        async for piece in run.pieces(request):
             kind = "thinking" if isinstance(piece, Reasoning) else "text" if isinstance(piece, str) else None
             if open_kind is not None and open_kind != kind:
                 yield _event("content_block_stop", index=index)

@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI and Ollama routes over one AsyncEngine, plus /health, /metrics and errors.
+"""The FastAPI app: the wire APIs' routes (OpenAI, Responses, Anthropic, Ollama) over one AsyncEngine, plus
+/health, /metrics and errors.
 
 The model is loaded before the app is built (kvflow serve opens its port only once the model is ready),
 and the engine thread runs for the app's lifespan: started at startup, stopped at shutdown, after the
@@ -20,6 +21,7 @@ from kvflow import __version__
 from kvflow.engine.async_engine import AsyncEngine
 from kvflow.server import (
     anthropic_api,
+    completions_api,
     ollama_api,
     openai_api,
     openapi,
@@ -29,8 +31,16 @@ from kvflow.server import (
 )
 from kvflow.server.errors import APIError, error_response
 from kvflow.server.metrics import CONTENT_TYPE
-from kvflow.server.middleware import APIKeyMiddleware, RequestIdMiddleware, RootPathMiddleware
-from kvflow.server.serving import ServerSettings, ServerState, get_state, metrics_state, validation_error
+from kvflow.server.serving import (
+    APIKeyMiddleware,
+    RequestIdMiddleware,
+    RootPathMiddleware,
+    ServerSettings,
+    ServerState,
+    get_state,
+    metrics_state,
+    validation_error,
+)
 
 log = logging.getLogger("kvflow")
 
@@ -49,6 +59,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     openapi.install(app)
     app.state.kvflow = state
     app.include_router(openai_api.router)
+    app.include_router(completions_api.router)
     app.include_router(ollama_api.router)
     app.include_router(responses_api.router)
     app.include_router(anthropic_api.router)

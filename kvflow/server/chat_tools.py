@@ -19,7 +19,7 @@ from kvflow.structured.spec import StructuredOutput
 
 
 class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown fields are ignored (unknown_fields.py)
+    model_config = ConfigDict(extra="allow")  # unknown fields are ignored (serving.unknown_fields)
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
@@ -230,3 +230,28 @@ def _hermes_call_rules(tools: list[Tool], defs: dict[str, Any]) -> list[str]:
         rules += tool.custom.raw_call_rule(f"custom{i}", open_tag, close_tag)
     return [f"call: {' | '.join(choices)}", *rules]
 
+
+
+def tool_constraint(tokenizer, tools: list[Tool], fmt: str, tool_choice: str | dict | None,
+                    parallel_tool_calls: bool | None, answer: StructuredOutput | None, answer_field: str | None,
+                    reasoning: str | None) -> tuple[StructuredOutput, str | None] | None:
+    """The grammar an answer that may call `tools` is held to, with the request field it is reported
+    against: one of the tools' calls when tool_choice names one or is "required"; under "auto" with a JSON
+    answer asked for (answer), either calls or that JSON. None where the answer stays free."""
+    chosen = named_choice(tool_choice)
+    parallel = parallel_tool_calls is not False and chosen is None
+    special = _special_ids(tokenizer, ["[TOOL_CALLS]"]) if fmt == MISTRAL else {}
+    if chosen is not None or tool_choice == "required":
+        picked = [t for t in tools if chosen is None or t.function.name == chosen]
+        return tool_call_grammar(picked, fmt, parallel, special, reasoning=reasoning), "tools"
+    if answer is not None and answer.json is not None:
+        return tool_call_grammar(tools, fmt, parallel, special, answer.json, reasoning=reasoning), answer_field
+    return None
+
+
+def _special_ids(tokenizer, names: list[str]) -> dict[str, int]:
+    """The ids of those names that are special tokens of this vocabulary (Mistral's [TOOL_CALLS])."""
+    vocab = tokenizer.get_vocab()
+    special = set(getattr(tokenizer, "all_special_tokens", [])) | {
+        t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if getattr(t, "special", False)}
+    return {name: vocab[name] for name in names if name in vocab and name in special}

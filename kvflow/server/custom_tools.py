@@ -28,7 +28,7 @@ INPUT = "input"
 
 
 class CustomFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown fields are ignored (unknown_fields.py)
+    model_config = ConfigDict(extra="allow")  # unknown fields are ignored (serving.unknown_fields)
     type: Literal["text", "grammar"] = "text"
     syntax: Literal["lark", "regex"] | None = None
     definition: str | None = None

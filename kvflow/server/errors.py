@@ -1,7 +1,9 @@
 """API errors and how they are written: OpenAI's shape on /v1 and elsewhere, Ollama's on /api.
 
 OpenAI: {"error": {"message", "type", "param", "code"}}. Ollama: {"error": "message"} (what the Ollama
-server sends and its Python client parses).
+server sends and its Python client parses). A prompt that leaves no room to generate gets the error each
+API's clients act on (ContextLengthExceeded): OpenAI's code "context_length_exceeded", and Anthropic's
+"prompt is too long: N tokens > M maximum" (on which Claude Code compacts its history).
 """
 
 from __future__ import annotations
@@ -57,6 +59,32 @@ class APIError(Exception):
                 503: "overloaded_error"}.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
         message = f"{self.param}: {self.message}" if self.param and self.param not in self.message else self.message
         return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+class ContextLengthExceeded(APIError):
+    """A prompt of n_prompt tokens where at most `limit` fit with one token to generate: the context
+    (max_model_len - 1) or, where the KV cache holds fewer tokens, the cache (the pool's tokens + 1: the
+    last sampled token takes no slot)."""
+
+    def __init__(self, n_prompt: int, max_model_len: int, pool_tokens: int | None = None) -> None:
+        if pool_tokens is not None and pool_tokens < max_model_len - 1:
+            message = (f"The KV cache holds {pool_tokens} tokens (set by --kv-cache-memory), fewer than this "
+                       f"model's maximum context length of {max_model_len} tokens, and the prompt has {n_prompt} "
+                       f"tokens. Please reduce the length of the messages.")
+            self.limit = pool_tokens
+        else:
+            message = (f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+                       f"{n_prompt} tokens (at least one must be left to generate). Please reduce the length of "
+                       f"the messages.")
+            self.limit = max_model_len - 1
+        super().__init__(400, message, None, "context_length_exceeded")
+        self.n_prompt = n_prompt
+        self.max_model_len = max_model_len
+
+    def anthropic_body(self) -> dict:
+        # Anthropic's own wording, which its clients parse: the maximum is the longest prompt that fits.
+        message = f"prompt is too long: {self.n_prompt} tokens > {self.limit} maximum"
+        return {"type": "error", "error": {"type": "invalid_request_error", "message": message}}
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

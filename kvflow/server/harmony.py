@@ -5,7 +5,7 @@
 The analysis channel is thinking (reasoning_content), the final channel and a commentary message with no
 recipient (a preamble) are content, and a message to a recipient (`to=functions.NAME`, before or after the
 channel) is a tool call whose body is the arguments, ended by <|call|>. The tags are special tokens, which
-the server keeps in the text for these models (chat_prompt.py), so no tag reaches the client."""
+the server keeps in the text for these models (chat_pipeline.py), so no tag reaches the client."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from kvflow.server.chat_tools import Tool, closed_objects
+from kvflow.server.chat_tools import Tool, closed_objects, named_choice
 from kvflow.server.harmony import (
     CALL,
     CHANNEL,
@@ -102,3 +102,17 @@ def harmony_grammar(ids: dict[str, int], tools: list[Tool] | None = None,
         choices.append("final")
     # JSON near the budget is not steered to close: quotes in the thinking would mislead it.
     return StructuredOutput(grammar="\n".join([f"start: think* ({' | '.join(choices)})", *rules]))
+
+
+def harmony_constraint(ids: dict[str, int], answer: StructuredOutput | None, answer_field: str | None,
+                       tools: list[Tool] | None, tool_choice: str | dict | None
+                       ) -> tuple[StructuredOutput | None, str | None]:
+    """A harmony answer's constraint and the request field it is reported against: tool_choice and
+    response_format apply to the messages after its free analysis."""
+    chosen = named_choice(tool_choice) if tools else None
+    if tools and (chosen is not None or tool_choice == "required"):
+        picked = [t for t in tools if chosen is None or t.function.name == chosen]
+        return harmony_grammar(ids, picked), "tools"
+    if answer is not None:
+        return harmony_answer(ids, answer, tools), answer_field  # with tools: a call or that answer
+    return None, answer_field

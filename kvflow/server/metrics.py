@@ -1,4 +1,6 @@
-"""Prometheus metrics, named like vLLM's with the prefix `kvflow:`, in a registry per app.
+"""What the server records of the requests it serves: Prometheus metrics, named like vLLM's with the
+prefix `kvflow:`, in a registry per app; the log line of each finished request; and where each response's
+time went (request_timings), as the APIs report it in their usage blocks and x-kvflow-* headers.
 
 Per-request histograms and counters are recorded when a request finishes (from its RequestMetrics);
 engine gauges and the preemption counter are read from the engine thread's latest snapshot at scrape
@@ -7,7 +9,8 @@ time, so they are current whenever /metrics is read.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import logging
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -15,6 +18,8 @@ from prometheus_client.registry import Collector
 
 from kvflow.engine.stats import EngineStats
 from kvflow.outputs import RequestOutput
+
+log = logging.getLogger("kvflow")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 MAX_IGNORED_LABELS = 200
@@ -135,7 +140,7 @@ class ServerMetrics:
         self.errors = Counter("kvflow:request_errors", "Requests refused or failed, by kind.", ["kind"],
                               registry=r)
         self.ignored_fields = Counter("kvflow:request_ignored_fields", "Fields of request bodies that kvflow "
-                                      "does not know and ignored, by route and field path (server/unknown_fields.py).",
+                                      "does not know and ignored, by route and field path (server/serving.py).",
                                       ["route", "field"], registry=r)
         self._ignored_seen: set[tuple[str, str]] = set()
         r.register(_EngineCollector(stats))
@@ -177,3 +182,50 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def log_finished(out: RequestOutput) -> None:
+    """One INFO line per finished request, under its id (the client's X-Request-Id when it sent one)."""
+    if not log.isEnabledFor(logging.INFO):
+        return
+    m = out.metrics
+    how = out.error or ",".join(sorted({c.finish_reason or "unfinished" for c in out.outputs}))
+    log.info("request %s finished (%s): %d prompt tokens (%d cached), %d generated, queue %s, TTFT %s, TPOT %s",
+             out.request_id, how, m.num_prompt_tokens, m.num_cached_tokens, m.num_generated_tokens,
+             _ms(m.queue_time), _ms(m.ttft), _ms(m.tpot))
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.1f} ms"
+
+
+_PHASES = (("queue_ms", "queue_time"), ("ttft_ms", "ttft"), ("prefill_ms", "prefill_time"),
+           ("decode_ms", "decode_time"))
+
+
+def request_timings(outputs: Sequence[RequestOutput]) -> dict:
+    """Where a response's time went: queue, TTFT, prefill, decode (ms), cached prompt tokens and speculated
+    tokens. Reported as usage.kvflow_timings (OpenAI), kvflow_timings (Ollama) and x-kvflow-* headers; a
+    request with several prompts reports the slowest prompt's times and the sum of their cached tokens."""
+    timings: dict = {}
+    for key, attr in _PHASES:
+        values = [getattr(o.metrics, attr) for o in outputs]
+        known = [v for v in values if v is not None]
+        timings[key] = round(max(known) * 1000, 3) if known else None
+    timings["cached_tokens"] = sum(o.metrics.num_cached_tokens for o in outputs)
+    timings["disk_cached_tokens"] = sum(o.metrics.num_disk_cached_tokens for o in outputs)  # of those, from disk
+    # Speculative decoding: guessed tokens verified, and those kept (their ratio is the acceptance rate).
+    timings["spec_draft_tokens"] = sum(o.metrics.num_draft_tokens for o in outputs)
+    timings["spec_accepted_tokens"] = sum(o.metrics.num_accepted_tokens for o in outputs)
+    return timings
+
+
+def timing_headers(timings: dict) -> dict[str, str]:
+    """request_timings as x-kvflow-* response headers (x-kvflow-ttft-ms, x-kvflow-cached-tokens...)."""
+    headers = {}
+    for key, value in timings.items():
+        if value is None:
+            continue
+        name = "x-kvflow-" + key.replace("_ms", "-ms").replace("_", "-")
+        headers[name] = str(value)
+    return headers

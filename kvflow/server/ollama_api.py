@@ -1,5 +1,10 @@
 """Ollama-compatible routes: /api/generate and /api/chat (NDJSON streams by default), /api/tags,
-/api/show, /api/version. Durations are in nanoseconds, as Ollama reports them."""
+/api/show, /api/version. Durations are in nanoseconds, as Ollama reports them.
+
+/api/chat is an adapter of the chat pipeline (chat_pipeline.py): its messages, tools and format become the
+internal chat request (ollama_protocol.py), sampled with Ollama's options and defaults, and the pipeline's
+events become its lines. /api/generate's prompt (rendered as one user turn, or raw) runs through the same
+pipeline as a prompt already made, its text all content."""
 
 from __future__ import annotations
 
@@ -12,29 +17,25 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ValidationError
 
 from kvflow import __version__
-from kvflow.engine.async_engine import EngineDeadError, RequestStream
+from kvflow.engine.async_engine import EngineDeadError
 from kvflow.outputs import RequestOutput
 from kvflow.server import openapi
-from kvflow.server.answer_parser import AnswerParser
-from kvflow.server.chat_prompt import prepare_chat
-from kvflow.server.harmony import is_harmony
-from kvflow.server.ollama_protocol import ChatRequest, GenerateRequest, ShowRequest
-from kvflow.server.serving import (
-    ServerState,
-    abort_on_disconnect,
+from kvflow.server.answer_parser import Reasoning
+from kvflow.server.chat_pipeline import (
+    ChatPrompt,
+    ChatRun,
+    ChoiceDelta,
     check_constraint,
-    collect,
-    get_state,
-    parse_body,
     render_chat,
-    request_timings,
-    submit,
-    timing_headers,
-    validation_error,
+    start_chat,
+    start_prompt,
 )
+from kvflow.server.harmony import is_harmony
+from kvflow.server.metrics import request_timings, timing_headers
+from kvflow.server.ollama_protocol import ChatRequest, GenerateRequest, ShowRequest
+from kvflow.server.serving import ServerState, get_state, parse_body
 from kvflow.server.tool_calls import ToolCall
 
 router = APIRouter()
@@ -82,7 +83,7 @@ async def generate(request: Request):
     else:
         system = [{"role": "system", "content": body.system}] if body.system else []
         prompt = render_chat(state.tokenizer, system + [{"role": "user", "content": body.prompt}], "prompt")
-    streams = await submit(state, [prompt], params, f"ollama-gen-{uuid.uuid4().hex}")
+    run = await start_prompt(state, ChatPrompt(prompt, None, None, None), params, f"ollama-gen-{uuid.uuid4().hex}")
 
     def piece(text: str) -> dict:
         return {"model": state.model_name, "created_at": _now_iso(), "response": text, "done": False}
@@ -91,7 +92,7 @@ async def generate(request: Request):
         context = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
         return {**piece(text), **_final_fields(out, started), "context": context}
 
-    return await _respond(request, state, body.stream, streams, piece, final)
+    return await _respond(request, body.stream, run, piece, final)
 
 
 @router.post("/api/chat", openapi_extra=openapi.body(ChatRequest))
@@ -113,20 +114,12 @@ async def chat(request: Request):
 
     if not body.messages:  # loads the model in Ollama
         return {**piece(""), "done": True, "done_reason": "load"}
-    try:
-        openai_body = body.as_openai()
-    except ValidationError as exc:
-        raise validation_error(exc) from None
-    openai_body.validate_request()
-    chat_prompt = prepare_chat(state.tokenizer, openai_body)
-    params = chat_prompt.sampling(params)
-    check_constraint(state, params, "tools" if chat_prompt.constraint_field == "tools" else "format")
-    streams = await submit(state, [chat_prompt.prompt], params, f"ollama-chat-{uuid.uuid4().hex}")
+    run = await start_chat(state, body.as_openai(), f"ollama-chat-{uuid.uuid4().hex}", params, "format")
 
     def final(out: RequestOutput, text: str, calls: list[ToolCall] | None = None, thinking: str = "") -> dict:
         return {**piece(text, calls, thinking), **_final_fields(out, started)}
 
-    return await _respond(request, state, body.stream, streams, piece, final, chat_prompt.answer_parser())
+    return await _respond(request, body.stream, run, piece, final)
 
 
 def _arguments(call: ToolCall):
@@ -136,43 +129,40 @@ def _arguments(call: ToolCall):
         return call.arguments
 
 
-async def _respond(request: Request, state: ServerState, stream: bool, streams: list[RequestStream], piece, final,
-                   parser: AnswerParser | None = None):
+async def _respond(request: Request, stream: bool, run: ChatRun, piece, final):
     if not stream:
-        (out,) = await collect(request, streams)
-        if parser is None:
-            doc = final(out, out.outputs[0].text)
-        else:
-            answer = parser.whole(out.outputs[0].text)
-            doc = final(out, answer.content, answer.calls, answer.reasoning)
+        out, (answer,) = await run.answers(request)
+        extra = (answer.calls, answer.reasoning) if answer.calls or answer.reasoning else ()
+        doc = final(out, answer.content, *extra)
         return JSONResponse(doc, headers=timing_headers(doc["kvflow_timings"]))
-    return StreamingResponse(_lines(request, streams, piece, final, parser), media_type=NDJSON)
+    return StreamingResponse(_lines(request, run, piece, final), media_type=NDJSON)
 
 
-async def _lines(request: Request, streams: list[RequestStream], piece, final, parser: AnswerParser | None
-                 ) -> AsyncIterator[str]:
-    """NDJSON lines; with a parser, thinking and content as it lets them through and each call in a line of
-    its own once complete (Ollama sends calls whole, arguments as an object)."""
-    (stream,) = streams
-    async with abort_on_disconnect(request, streams):
-        try:
-            async for out in stream:
-                delta, thinking = out.outputs[0].delta_text, ""
-                calls: list[ToolCall] = []
-                if parser is not None:
-                    answer = parser.feed(delta)
-                    if out.finished:
-                        answer += parser.finish()
-                    delta, calls, thinking = answer.content, answer.calls, answer.reasoning
-                if out.finished:
-                    if calls or thinking:
-                        yield json.dumps(piece(delta, calls, thinking) if parser is not None else piece(delta)) + "\n"
-                        delta = ""
-                    yield json.dumps(final(out, delta)) + "\n"
-                elif delta or calls or thinking:
-                    yield json.dumps(piece(delta, calls, thinking) if parser is not None else piece(delta)) + "\n"
-        except EngineDeadError as exc:
-            yield json.dumps({"error": str(exc)}) + "\n"
+async def _lines(request: Request, run: ChatRun, piece, final) -> AsyncIterator[str]:
+    """NDJSON lines: thinking and content as the pipeline lets them through, each call once complete (Ollama
+    sends calls whole, arguments as an object), all of one step in one line; the last step's text goes in the
+    final line, unless it held calls or thinking, which get a line of their own before it."""
+    last = ("", [], "")  # the finishing step's content, calls and thinking
+    try:
+        async for event in run.events(request):
+            if not isinstance(event, ChoiceDelta):
+                text, calls, thinking = last
+                if calls or thinking:
+                    yield json.dumps(piece(text, calls, thinking)) + "\n"
+                    text = ""
+                yield json.dumps(final(event.output, text)) + "\n"
+                continue
+            text = "".join(p for p in event.pieces if isinstance(p, str) and not isinstance(p, Reasoning))
+            thinking = "".join(p for p in event.pieces if isinstance(p, Reasoning))
+            calls = [p for p in event.pieces if isinstance(p, ToolCall)]
+            if event.finish_reason is not None:
+                last = (text, calls, thinking)
+            elif calls or thinking:
+                yield json.dumps(piece(text, calls, thinking)) + "\n"
+            elif text:
+                yield json.dumps(piece(text)) + "\n"
+    except EngineDeadError as exc:
+        yield json.dumps({"error": str(exc)}) + "\n"
 
 
 # ---- model information ---------------------------------------------------------------------------------

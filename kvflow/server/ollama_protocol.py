@@ -4,7 +4,7 @@ Sampling defaults are Ollama's (temperature 0.8, top_k 40, top_p 0.9, repeat_pen
 num_predict). Options that only tune resources (threads, GPUs, batch, mmap...) are accepted and have no
 effect, since kvflow sizes those at start; options that would change the output and are not implemented
 (mirostat, typical_p, tfs_z) are refused unless at their neutral value, as are images, templates and
-context. Fields and options kvflow does not know are ignored, as Ollama does (unknown_fields.py). `format` ("json" or a JSON
+context. Fields and options kvflow does not know are ignored, as Ollama does (serving.unknown_fields). `format` ("json" or a JSON
 schema) and `tools` map onto the OpenAI request's response_format and tools (ChatRequest.as_openai)."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ _OPTION_NAMES = {  # SamplingParams field -> Ollama option
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown fields are ignored (unknown_fields.py)
+    model_config = ConfigDict(extra="allow")  # unknown fields are ignored (serving.unknown_fields)
 
 
 # Ollama's sampling options that kvflow does not implement, with the value at which they change nothing.

@@ -1,6 +1,8 @@
-"""OpenAI request bodies (pydantic). Unknown fields are ignored (logged once and counted: unknown_fields.py);
-known OpenAI fields that kvflow does not act on are accepted only when they would change nothing (user,
-metadata...), and refused otherwise."""
+"""OpenAI request bodies (pydantic). ChatCompletionRequest is also the chat pipeline's internal chat request
+(chat_pipeline.py), which the other wire APIs' adapters build from their own bodies. Unknown fields are
+ignored (logged once and counted: serving.py); known OpenAI fields that kvflow does not act on are accepted
+only when they would change nothing (user, metadata...), and refused otherwise. vLLM's extensions
+(vllm_fields.py) are checked only when sent, so a plain request runs none of their code."""
 
 from __future__ import annotations
 
@@ -168,6 +170,11 @@ class SamplingFields(Strict, VllmFields):
         return bias
 
     @property
+    def vllm_checked_fields_given(self) -> bool:
+        """Whether vLLM's fields that have rules between them were sent (VllmFields.check_vllm_fields)."""
+        return self.logprob_token_ids is not None or self.truncate_prompt_tokens is not None
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
@@ -198,7 +205,8 @@ class CompletionRequest(SamplingFields):
 
     def validate_request(self) -> SamplingParams:
         self.check_common()
-        self.check_vllm_fields(self.logprobs is not None)
+        if self.vllm_checked_fields_given:
+            self.check_vllm_fields(self.logprobs is not None)
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix", "unsupported_parameter")
         return self.sampling_params(self.max_tokens, self.logprobs, self.prompt_logprobs_wanted)
@@ -290,10 +298,12 @@ class ChatCompletionRequest(SamplingFields, VllmChatFields):
 
     def validate_request(self) -> SamplingParams:
         self.check_common()
-        self.check_vllm_fields(self.logprobs)
+        if self.vllm_checked_fields_given:
+            self.check_vllm_fields(self.logprobs)
         if not self.messages:
             raise bad_request("messages must not be empty", "messages")
-        check_generation_prompt(self, self.continue_final_message)
+        if self.continue_final_message:
+            check_generation_prompt(self, self.continue_final_message)
         self._check_tools()
         if self.store:
             raise bad_request("store is not supported", "store", "unsupported_parameter")

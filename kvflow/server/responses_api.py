@@ -1,7 +1,8 @@
 """OpenAI's Responses API (POST /v1/responses), as Codex and the OpenAI Agents SDK speak it: one answer
 per request, made of output items (a message with output_text, function calls), and when streamed, the
 typed events (response.created, response.output_text.delta, response.function_call_arguments.delta,
-response.completed...). The request runs as a chat completion (responses_protocol.py)."""
+response.completed...). An adapter of the chat pipeline (chat_pipeline.py): the request becomes the internal
+chat request (responses_protocol.py), and the pipeline's events become output items and their events."""
 
 from __future__ import annotations
 
@@ -16,13 +17,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from kvflow.engine.async_engine import EngineDeadError
 from kvflow.outputs import RequestOutput
 from kvflow.server import openapi
-from kvflow.server.chat_run import Reasoning, answer_pieces, start_chat, whole_answer
+from kvflow.server.answer_parser import Reasoning
+from kvflow.server.chat_pipeline import ChatRun, start_chat
 from kvflow.server.custom_tools import custom_input
 from kvflow.server.errors import APIError
+from kvflow.server.metrics import request_timings, timing_headers
 from kvflow.server.openai_api import SSE_HEADERS
 from kvflow.server.responses_protocol import ResponsesRequest
 from kvflow.server.responses_tools import ToolBook
-from kvflow.server.serving import get_state, parse_body, request_timings, timing_headers
+from kvflow.server.serving import get_state, parse_body
 from kvflow.server.tool_calls import ToolCall
 
 router = APIRouter()
@@ -106,13 +109,13 @@ async def create_response(request: Request):
     if body.stream:
         return StreamingResponse(_events(request, run, response, book), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
-    answer = await whole_answer(request, run)
+    final, (answer,) = await run.answers(request)
     if answer.reasoning:
         response.doc["output"].append(_reasoning_item(answer.reasoning))
     if answer.content.strip() or not answer.calls:
         response.doc["output"].append(_message_item(answer.content))
     response.doc["output"] += [_call_item(call, book) for call in answer.calls]
-    doc = response.finish(answer.output)
+    doc = response.finish(final)
     return JSONResponse(doc, headers=timing_headers(doc["usage"]["kvflow_timings"]))
 
 
@@ -126,7 +129,7 @@ class _EventStream:
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def _events(request: Request, run, response: _Response, book: ToolBook) -> AsyncIterator[str]:
+async def _events(request: Request, run: ChatRun, response: _Response, book: ToolBook) -> AsyncIterator[str]:
     events = _EventStream()
     output = response.doc["output"]
     yield events.event("response.created", response=response.doc)
@@ -149,7 +152,7 @@ async def _events(request: Request, run, response: _Response, book: ToolBook) ->
         return done
 
     try:
-        async for piece in answer_pieces(request, run):
+        async for piece in run.pieces(request):
             if isinstance(piece, Reasoning):
                 if thinking is None:
                     thinking = _reasoning_item("", status="in_progress")
@@ -200,3 +203,4 @@ async def _events(request: Request, run, response: _Response, book: ToolBook) ->
         error = APIError(500, str(exc), None, "engine_error")
         response.doc.update(status="failed", error={"code": "server_error", "message": error.message})
         yield events.event("response.failed", response=response.doc)
+

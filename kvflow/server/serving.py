@@ -1,38 +1,42 @@
-"""What every route needs to run requests: the server's state (engine, names, limits, metrics), the body
-(read within the size limit and validated), the prompt (a chat template rendered), submitting prompts,
-following their streams and aborting them when the client leaves, and where each response's time went.
+"""What every route shares, around the chat pipeline: the server's state (engine, names, limits, metrics),
+the request's id, its body read within the size limit and validated into the route's request model, and
+the plain ASGI middleware every request passes (the API key, the X-Request-Id echo, --root-path), which
+leaves streaming responses and disconnect detection untouched.
+
+Fields a body carries that kvflow does not know are accepted and ignored, as vLLM, llama-server and Ollama
+do, since the clients of each wire API send the newest (and beta) fields of that API, which a local server
+cannot track release by release; a known field of the wrong type or value is still a 400 naming it. Every
+request model is built with `extra="allow"`: pydantic keeps the unknown fields aside (model_extra), and
+parse_body walks the validated body for them (unknown_fields): each is logged once per route at debug
+level and counted in /metrics (`kvflow:request_ignored_fields_total{route, field}`), its path written with
+`*` for list positions (`messages.*.refusal`), so the label stays one per kind of field however long the
+conversation.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
+import hmac
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvflow.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
-from kvflow.outputs import RequestOutput
-from kvflow.sampling_params import SamplingParams
-from kvflow.server.context_fit import fit_context
-from kvflow.server.errors import APIError, bad_request, from_value_error, route_path
-from kvflow.server.metrics import ServerMetrics
-from kvflow.server.unknown_fields import unknown_fields
-from kvflow.structured.compiler import GrammarError
+from kvflow.engine.async_engine import AsyncEngine
+from kvflow.server.errors import APIError, bad_request, error_response, route_path
+from kvflow.server.metrics import ServerMetrics, log_finished
 
 log = logging.getLogger("kvflow")
 
 M = TypeVar("M", bound=BaseModel)
 
-DISCONNECT_POLL_S = 0.1
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 # What one request may ask for, so that no single body queues unbounded work: n choices per prompt
 # (--max-n; OpenAI allows up to 128, vLLM sets no bound) and prompts in a completions batch (OpenAI's 2048).
@@ -53,21 +57,6 @@ class ServerSettings:
     metrics: bool = True  # /metrics and the page's live data (--no-metrics: both 404)
     strict_max_tokens: bool = False  # --strict-max-tokens: max_tokens past the context is a 400, not clamped
     max_n: int = DEFAULT_MAX_N  # --max-n: the most choices (n) one request may ask for per prompt
-
-
-def log_finished(out: RequestOutput) -> None:
-    """One INFO line per finished request, under its id (the client's X-Request-Id when it sent one)."""
-    if not log.isEnabledFor(logging.INFO):
-        return
-    m = out.metrics
-    how = out.error or ",".join(sorted({c.finish_reason or "unfinished" for c in out.outputs}))
-    log.info("request %s finished (%s): %d prompt tokens (%d cached), %d generated, queue %s, TTFT %s, TPOT %s",
-             out.request_id, how, m.num_prompt_tokens, m.num_cached_tokens, m.num_generated_tokens,
-             _ms(m.queue_time), _ms(m.ttft), _ms(m.tpot))
-
-
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1000:.1f} ms"
 
 
 class ServerState:
@@ -139,7 +128,7 @@ def request_id(request: Request, prefix: str) -> str:
 async def parse_body(request: Request, model: type[M]) -> M:
     """The JSON body as `model`: 413 past the size limit (at once when Content-Length says so, else as the
     bytes arrive); malformed JSON, missing fields and wrong types are 400s naming the field; unknown fields
-    are ignored, logged once and counted (unknown_fields.py)."""
+    are ignored, logged once and counted (unknown_fields, below)."""
     check_json_content_type(request)
     raw = await read_body(request, get_state(request).settings.max_body_bytes)
     try:
@@ -199,36 +188,6 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-def render_chat(tokenizer, messages: list[dict], param: str = "messages", tools: list[dict] | None = None,
-                template_kwargs: dict | None = None, continue_final: bool = False,
-                add_generation_prompt: bool = True) -> str:
-    """The prompt text for messages (and tools, as transformers passes them to the template; template_kwargs
-    such as enable_thinking go to the template too), ending with the assistant's turn (unless
-    add_generation_prompt is false); a 400 when the template refuses them."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise bad_request("this model has no chat template, so it cannot chat; use the completions API",
-                          param, "no_chat_template")
-    try:
-        if continue_final:  # the prompt ends inside the last assistant message, which the answer goes on with
-            return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=False,
-                                                 continue_final_message=True, **(template_kwargs or {}))
-        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
-    except Exception as exc:  # jinja2 raises TemplateError (or anything a template's raise_exception throws)
-        raise bad_request(f"the chat template could not render these messages: {exc}", param) from None
-
-
-def check_constraint(state: ServerState, params: SamplingParams, field: str | None) -> None:
-    """A 400 naming `field` when the request's output constraint cannot be compiled (a bad schema, an
-    unsupported keyword, a bad regex); compiled grammars are cached, so the engine's own compile is a hit."""
-    if params.structured_output is None:
-        return
-    try:
-        state.engine.engine.grammars.compile(params.structured_output)
-    except GrammarError as exc:
-        raise bad_request(str(exc), field, "invalid_schema") from None
-
-
 def validate_as(model: type[M], data: dict) -> M:
     """data as `model`, a 400 naming the field where it does not fit: for the chat request an adapter
     (Responses, Messages, Ollama) builds from what its client sent."""
@@ -254,141 +213,94 @@ def _is_branch(part: str) -> bool:
     return any(ch in part for ch in "[]|") or part in ("str", "int", "float", "bool", "list", "dict")
 
 
-async def submit(
-    state: ServerState, prompts: Sequence[str | list[int]], params: SamplingParams, request_id: str
-) -> list[RequestStream]:
-    """Add every prompt (one engine request each); all or none: a refused prompt aborts the others. Each is
-    tokenized here to fit it into the context (server/context_fit.py): max_tokens clamped to the room left."""
-    check_request_size(state, len(prompts), params.n)
-    state.check_capacity(len(prompts))
-    engine, strict = state.engine.engine, state.settings.strict_max_tokens
-    pool = getattr(engine, "longest_request_tokens", None)
-    fitted = []
-    for prompt in prompts:
-        _, ids = await state.engine.prompt_ids(prompt)
-        fitted.append((ids, fit_context(len(ids), params, engine.max_model_len, strict, pool)))
-    streams: list[RequestStream] = []
-    try:
-        for i, (ids, prompt_params) in enumerate(fitted):
-            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            streams.append(await state.engine.add_request(ids, prompt_params, rid))
-    except ValueError as exc:
-        _abort(streams)
-        raise from_value_error(exc) from None
-    except EngineDeadError as exc:
-        _abort(streams)
-        raise APIError(503, str(exc), None, "engine_unavailable") from None
-    except BaseException:
-        _abort(streams)
-        raise
-    return streams
+
+def unknown_fields(model: BaseModel) -> list[str]:
+    """The paths of the fields in model (and the models inside it) that its classes do not declare, each once."""
+    return sorted(set(_walk(model, "")))
 
 
-def check_request_size(state: ServerState, num_prompts: int, n: int) -> None:
-    """A 400 naming the field when one request asks for more sequences than a request may: n above --max-n,
-    or more than MAX_PROMPTS prompts."""
-    if n > state.settings.max_n:
-        raise bad_request(f"n must be at most {state.settings.max_n} (--max-n), got {n}", "n")
-    if num_prompts > MAX_PROMPTS:
-        raise bad_request(f"a request may hold at most {MAX_PROMPTS} prompts, got {num_prompts}", "prompt")
+def _walk(value: object, prefix: str) -> Iterator[str]:
+    if isinstance(value, BaseModel):
+        for name in value.model_extra or {}:
+            yield prefix + name
+        for name in type(value).model_fields:
+            yield from _walk(getattr(value, name), f"{prefix}{name}.")
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _walk(item, prefix + "*.")
 
 
-def _abort(streams: Sequence[RequestStream]) -> None:
-    for stream in streams:
-        stream.abort()
+# ---- ASGI middleware -------------------------------------------------------------------------------------
+# Answered without the key: /health, so load balancers can probe; the page and its files, which ask for
+# the key and send it with every request they make.
+OPEN_PATHS = {"/health", "/"}
+OPEN_PREFIXES = ("/ui/",)
+
+OnError = Callable[[APIError], None]
 
 
-@contextlib.asynccontextmanager
-async def abort_on_disconnect(request: Request, streams: Sequence[RequestStream]) -> AsyncIterator[None]:
-    """While inside, a client that goes away aborts the streams (their blocks are freed within a step);
-    leaving early (an error, a closed generator) aborts whatever has not finished."""
-
-    async def watch() -> None:
-        while not await request.is_disconnected():
-            await asyncio.sleep(DISCONNECT_POLL_S)
-        _abort(streams)
-
-    watcher = asyncio.create_task(watch())
-    try:
-        yield
-    finally:
-        watcher.cancel()
-        _abort(streams)
+def _is_open(path: str) -> bool:
+    return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
 
 
-async def iterate(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from several streams as they come."""
-    if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, stream: RequestStream) -> None:
-        try:
-            async for out in stream:
-                queue.put_nowait((i, out))
-        except BaseException as exc:  # noqa: BLE001 - handed to the reader
-            queue.put_nowait((i, exc))
-        finally:
-            queue.put_nowait((i, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(streams)
-        while remaining:
-            i, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
+async def _reject(scope: Scope, receive: Receive, send: Send, error: APIError, on_error: OnError) -> None:
+    on_error(error)
+    await error_response(Request(scope, receive), error)(scope, receive, send)
 
 
-async def collect(request: Request, streams: Sequence[RequestStream]) -> list[RequestOutput]:
-    """Each stream's final output (for non-streaming responses)."""
-    finals: list[RequestOutput | None] = [None] * len(streams)
-    async with abort_on_disconnect(request, streams):
-        try:
-            async for i, out in iterate(streams):
-                if out.finished:
-                    finals[i] = out
-        except EngineDeadError as exc:
-            raise APIError(500, str(exc), None, "engine_error") from None
-    return [f for f in finals if f is not None]
+class RootPathMiddleware:
+    """--root-path: every route is also served under the prefix (as when a proxy forwards /prefix/... to
+    the server without stripping it); the prefix becomes the ASGI root_path, so /docs links include it."""
+
+    def __init__(self, app: ASGIApp, prefix: str) -> None:
+        self.app, self.prefix = app, "/" + prefix.strip("/")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] in ("http", "websocket") and (path == self.prefix or path.startswith(self.prefix + "/")):
+            scope = {**scope, "root_path": scope.get("root_path", "") + self.prefix,
+                     "path": path[len(self.prefix):] or "/"}
+        await self.app(scope, receive, send)
 
 
-_PHASES = (("queue_ms", "queue_time"), ("ttft_ms", "ttft"), ("prefill_ms", "prefill_time"),
-           ("decode_ms", "decode_time"))
+class RequestIdMiddleware:
+    """An X-Request-Id the client sends comes back on the response (the routes also use it as the
+    request's id); vLLM's clients and proxies rely on both."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        given = dict(scope.get("headers", [])).get(b"x-request-id") if scope["type"] == "http" else None
+        if not given:
+            return await self.app(scope, receive, send)
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", given)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
-def request_timings(outputs: Sequence[RequestOutput]) -> dict:
-    """Where a response's time went: queue, TTFT, prefill, decode (ms), cached prompt tokens and speculated
-    tokens. Reported
-    as usage.kvflow_timings (OpenAI), kvflow_timings (Ollama) and x-kvflow-* headers; a request with
-    several prompts reports the slowest prompt's times and the sum of their cached tokens."""
-    timings: dict = {}
-    for key, attr in _PHASES:
-        values = [getattr(o.metrics, attr) for o in outputs]
-        known = [v for v in values if v is not None]
-        timings[key] = round(max(known) * 1000, 3) if known else None
-    timings["cached_tokens"] = sum(o.metrics.num_cached_tokens for o in outputs)
-    timings["disk_cached_tokens"] = sum(o.metrics.num_disk_cached_tokens for o in outputs)  # of those, from disk
-    # Speculative decoding: guessed tokens verified, and those kept (their ratio is the acceptance rate).
-    timings["spec_draft_tokens"] = sum(o.metrics.num_draft_tokens for o in outputs)
-    timings["spec_accepted_tokens"] = sum(o.metrics.num_accepted_tokens for o in outputs)
-    return timings
+class APIKeyMiddleware:
+    """401 unless `Authorization: Bearer KEY` (or Ollama-style `Authorization: KEY`, or Anthropic-style
+    `x-api-key: KEY`) matches."""
 
+    def __init__(self, app: ASGIApp, api_key: str, on_error: OnError) -> None:
+        self.app, self.api_key, self.on_error = app, api_key, on_error
 
-def timing_headers(timings: dict) -> dict[str, str]:
-    headers = {}
-    for key, value in timings.items():
-        if value is None:
-            continue
-        name = "x-kvflow-" + key.replace("_ms", "-ms").replace("_", "-")
-        headers[name] = str(value)
-    return headers
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or _is_open(route_path(scope)):
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        given = headers.get(b"authorization", b"").decode("latin-1").strip()
+        if given.lower().startswith("bearer "):
+            given = given[7:].strip()
+        if not given:  # Anthropic's clients send the key as x-api-key
+            given = headers.get(b"x-api-key", b"").decode("latin-1").strip()
+        if not hmac.compare_digest(given.encode(), self.api_key.encode()):
+            error = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.", None,
+                             "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            return await _reject(scope, receive, send, error, self.on_error)
+        await self.app(scope, receive, send)

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict
 
 from kvflow import __version__
 from kvflow.server import openapi
-from kvflow.server.chat_prompt import prepare_chat
+from kvflow.server.chat_pipeline import prepare_chat
 from kvflow.server.errors import bad_request
 from kvflow.server.protocol import ChatCompletionRequest
 from kvflow.server.serving import get_state, parse_body
@@ -21,7 +21,7 @@ router = APIRouter()
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown fields are ignored (unknown_fields.py)
+    model_config = ConfigDict(extra="allow")  # unknown fields are ignored (serving.unknown_fields)
     model: str | None = None
     prompt: str | None = None  # vLLM
     content: str | None = None  # llama.cpp
@@ -37,7 +37,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown fields are ignored (unknown_fields.py)
+    model_config = ConfigDict(extra="allow")  # unknown fields are ignored (serving.unknown_fields)
     model: str | None = None
     tokens: list[int]
 

@@ -1,4 +1,4 @@
-"""Fitting requests into the served context (kvflow/server/context_fit.py), through the official clients:
+"""Fitting requests into the served context (chat_pipeline.fit_context), through the official clients:
 max_tokens past the room left is cut to it (finish_reason "length", Anthropic stop_reason "max_tokens"), a
 prompt that does not fit gets each API's own error (OpenAI code "context_length_exceeded", Anthropic's
 "prompt is too long: N tokens > M maximum"), --strict-max-tokens refuses instead of cutting, a context past

@@ -14,10 +14,11 @@ import pytest
 
 from kvflow.engine.detokenizer import IncrementalDetokenizer
 from kvflow.sampling_params import SamplingParams
-from kvflow.server.chat_prompt import prepare_chat
+from kvflow.server.answer_parser import answer_pieces
+from kvflow.server.chat_pipeline import ChoiceDelta, prepare_chat
 from kvflow.server.chat_tools import template_knows_tools
 from kvflow.server.harmony import HARMONY, HarmonyParser, is_harmony
-from kvflow.server.openai_api import _StreamedAnswer
+from kvflow.server.openai_api import ChoiceChunks
 from kvflow.server.protocol import ChatCompletionRequest
 
 PROMPT = "<|start|>user<|message|>What is the weather in Paris?<|end|><|start|>assistant"
@@ -115,9 +116,14 @@ def test_call_ids_differ():
 def test_streamed_chat_completion_chunks():
     """The chunks /v1/chat/completions streams for a harmony answer, token by token: reasoning_content,
     then the call (its name, then its arguments), and finish_reason tool_calls."""
-    stream = _StreamedAnswer(HarmonyParser(PROMPT))
+    parser, chunks = HarmonyParser(PROMPT), ChoiceChunks()
+
+    def step(text: str, finish: str | None) -> list:
+        pieces = answer_pieces(parser, text, finish is not None)
+        return chunks.deltas(ChoiceDelta(0, pieces, text, [], [], finish))
+
     text = ANSWERS[1][0]
-    deltas = [d for i, ch in enumerate(text) for d in stream.deltas(ch, "stop" if i == len(text) - 1 else None)]
+    deltas = [d for i, ch in enumerate(text) for d in step(ch, "stop" if i == len(text) - 1 else None)]
     reasoning = "".join(d.get("reasoning_content", "") for d, _ in deltas)
     calls = [d["tool_calls"][0] for d, _ in deltas if "tool_calls" in d]
     assert reasoning == "Need weather." and not any("content" in d for d, _ in deltas)

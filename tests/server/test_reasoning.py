@@ -10,7 +10,7 @@ import random
 import pytest
 
 from kvflow.server.answer_parser import AnswerParser
-from kvflow.server.chat_prompt import prepare_chat
+from kvflow.server.chat_pipeline import prepare_chat
 from kvflow.server.protocol import ChatCompletionRequest
 from kvflow.server.reasoning import BEFORE, INSIDE, ReasoningParser, reasoning_mode
 from kvflow.server.tool_calls import HERMES
