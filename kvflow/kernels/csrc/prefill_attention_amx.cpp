@@ -132,15 +132,130 @@ struct Scratch {  // per thread, grown as needed
   std::vector<uint32_t> k_block, v_block;  // one block's K/V tiles, where the item packs its own
 };
 
-// The rows one work item attends, all of one KV head's query heads so that each K/V tile read serves
-// them all (n a multiple of 16: w.head and w.row say which query row each is), over keys [k_begin, k_end)
-// of the sequence (k_begin a multiple of kBlock). K/V tiles come packed for the whole sequence, or, where
-// k_tiles is null, the item packs each block itself from the cache. Leaves in w.out the rows' unscaled
+// One query row's output as bfloat16: its sum of p V over its sum of p.
+inline void write_row(const float* acc, float sum, int d, uint16_t* o) {
+  const __m512 inv = _mm512_set1_ps(1.f / sum);
+  for (int j = 0; j < d; j += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + j), to_bf16(_mm512_mul_ps(_mm512_loadu_ps(acc + j), inv)));
+}
+
+// One row's scores of a block (sr, its first tile_keys keys from k0 on; it sees keys up to `last`): its
+// running max and sum brought up to date, 2^(x - max) into pr in bfloat16 (0 where masked), and the factor
+// that rescales what the row had summed before (0 for its first keys).
+inline float row_probabilities(const float* sr, uint16_t* pr, int k0, int tile_keys, int last, float scale2,
+                               float& max, float& sum) {
+  const int seen = std::max(0, std::min(tile_keys, last - k0 + 1));  // keys of the block this row sees
+  const int whole = seen / 16 * 16;
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (int j = 0; j < whole; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + j));
+  if (whole < seen) mx = _mm512_mask_max_ps(mx, visible_lanes(k0 + whole, last), mx, _mm512_loadu_ps(sr + whole));
+  const float block_max = _mm512_reduce_max_ps(mx), old = max;
+  const float m = block_max > old ? block_max : old;
+  const float alpha = old == -INFINITY ? 0.f : (m == old ? 1.f : std::exp2((old - m) * scale2));
+  max = m;
+  const __m512 s2 = _mm512_set1_ps(scale2), shift = _mm512_set1_ps(m * scale2);
+  __m512 total = _mm512_setzero_ps();
+  for (int j = 0; j < whole; j += 16) {  // (x - max) * scale2 as one fused op
+    const __m512 e = exp2_coarse(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j), s2, shift));
+    total = _mm512_add_ps(total, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), to_bf16(e));
+  }
+  for (int j = whole; j < tile_keys; j += 16) {  // the row's last partial vector, then zeros
+    const __mmask16 keep = j < seen ? visible_lanes(k0 + j, last) : 0;
+    const __m512 e = _mm512_maskz_mov_ps(keep, exp2_coarse(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j), s2, shift)));
+    total = _mm512_add_ps(total, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), to_bf16(e));
+  }
+  sum = sum * alpha + _mm512_reduce_add_ps(total);
+  return alpha;
+}
+
+// P V of a tile's block (its first `keys` keys), then out = out * alpha + P V per row.
+inline void add_values(Scratch& w, int t, int keys, int d, const uint32_t* vt, const float* alpha) {
+  for (int g0 = 0; g0 < d / 16; g0 += 4) value_group(w.p.data(), kBlock, keys, d, vt, g0, w.pv.data());
+  for (int i = 0; i < kRows; ++i) {
+    const __m512 a = _mm512_set1_ps(alpha[i]);
+    float* o = w.out.data() + (static_cast<int64_t>(t) * kRows + i) * d;
+    const float* pv = w.pv.data() + static_cast<int64_t>(i) * d;
+    for (int j = 0; j < d; j += 16) _mm512_storeu_ps(o + j, _mm512_fmadd_ps(_mm512_loadu_ps(o + j), a, _mm512_loadu_ps(pv + j)));
+  }
+}
+
+// The rows one long chunk's work item attends: R consecutive query rows of one sequence for every query
+// head of one KV head (group * R rows, R a multiple of 16), so that each K/V tile read serves all of them,
+// over K/V tiles packed ahead for the whole sequence; the rows' outputs written as bfloat16. Tile t holds
+// rows [16 t, 16 t + 16) in head-major order: head t / (R / 16), rows r0 + 16 (t % (R / 16)) on.
+struct ItemRows {
+  int r0, rows;    // first chunk row and how many of the R are real (the rest are zero rows)
+  int group, per;  // query heads per KV head; tiles per head (R / 16)
+  int tiles() const { return group * per; }
+  int last_row(int t) const { return r0 + (t % per) * kRows + kRows - 1; }  // chunk row of the tile's last row
+};
+
+void attend_item(const float* q, int64_t q_stride, int d, float scale, const Sequence& seq, int hk, const ItemRows& it,
+                 const uint32_t* k_tiles, const uint32_t* v_tiles, uint16_t* out, int64_t out_stride, Scratch& w) {
+  const int tiles = it.tiles(), n = tiles * kRows;
+  const int offset = seq.lk - seq.lq;  // chunk row r sits at position offset + r and sees keys [0, offset + r]
+  const int last_key = offset + it.r0 + it.rows - 1;  // the last key any real row sees
+  w.q_rows.resize(static_cast<size_t>(n) * d);
+  w.s.resize(static_cast<size_t>(kRows) * kBlock);
+  w.p.resize(static_cast<size_t>(kRows) * kBlock);
+  w.pv.resize(static_cast<size_t>(kRows) * d);
+  w.out.assign(static_cast<size_t>(n) * d, 0.f);
+  w.max.assign(n, -INFINITY);
+  w.sum.assign(n, 0.f);
+  for (int t = 0; t < tiles; ++t) {  // the rows as A tiles; rows past the chunk are zeros
+    const int h = hk * it.group + t / it.per;
+    for (int i = 0; i < kRows; ++i) {
+      const int r = it.r0 + (t % it.per) * kRows + i;
+      uint16_t* dst = w.q_rows.data() + (static_cast<int64_t>(t) * kRows + i) * d;
+      if (r < it.r0 + it.rows) {
+        const float* src = q + static_cast<int64_t>(seq.q_row + r) * q_stride + h * d;
+        for (int j = 0; j < d; j += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), to_bf16(load16(src + j)));
+      } else {
+        std::memset(dst, 0, d * 2);
+      }
+    }
+  }
+  const float scale2 = scale * 1.44269504f;  // softmax in base 2: the same probabilities
+  const int chunks = d / 32, groups = d / 16;
+  for (int k0 = 0; k0 <= last_key; k0 += kBlock) {
+    const uint32_t* kt = k_tiles + static_cast<int64_t>(k0 / 16) * chunks * 256;
+    const uint32_t* vt = v_tiles + static_cast<int64_t>(k0 / 32) * groups * 256;
+    // One tile of rows at a time, its scores and probabilities in L1, the block's K/V tiles in L1/L2 for all.
+    for (int t = 0; t < tiles; ++t) {
+      const int tile_last = std::min(offset + it.last_row(t), last_key);
+      if (tile_last < k0) continue;  // sees none of this block (nor any after it)
+      const int tile_keys = std::min(kBlock, (tile_last - k0) / kKeys * kKeys + kKeys);  // padded to kKeys
+      const uint16_t* qa = w.q_rows.data() + static_cast<int64_t>(t) * kRows * d;
+      for (int kb = 0; kb < tile_keys / kKeys; ++kb) score_block(qa, d, kt, kb, w.s.data(), kBlock);
+      float alpha[kRows];
+      for (int i = 0; i < kRows; ++i) {
+        const int row = t * kRows + i, last = offset + it.r0 + (t % it.per) * kRows + i;  // last key it sees
+        alpha[i] = row_probabilities(w.s.data() + static_cast<int64_t>(i) * kBlock, w.p.data() + static_cast<int64_t>(i) * kBlock,
+                                     k0, tile_keys, last, scale2, w.max[row], w.sum[row]);
+      }
+      add_values(w, t, tile_keys, d, vt, alpha);
+    }
+  }
+  for (int t = 0; t < tiles; ++t) {
+    const int h = hk * it.group + t / it.per;
+    for (int i = 0; i < kRows; ++i) {
+      const int r = it.r0 + (t % it.per) * kRows + i, row = t * kRows + i;
+      if (r >= it.r0 + it.rows) continue;
+      write_row(w.out.data() + static_cast<int64_t>(row) * d, w.sum[row], d,
+                out + static_cast<int64_t>(seq.q_row + r) * out_stride + h * d);
+    }
+  }
+}
+
+// The rows of a short chunk's work item: all rows of one KV head's query heads, packed together (n a
+// multiple of 16: w.head and w.row say which query row each is, row -1 a padding row), over keys [k_begin,
+// k_end) of the sequence (k_begin a multiple of kBlock), each block packed here from the cache while the
+// rows wait (read once, no copy in memory) and the next one prefetched. Leaves in w.out the rows' unscaled
 // sums of p V, and in w.max / w.sum their raw-score max and sum of 2^((x - max) scale2) (-inf / 0 for a
 // row that sees none of the keys).
-template <bool kFused>
-void attend_rows(const float* q, int64_t q_stride, int d, float scale, const Cache& cache, const Sequence& seq, int hk,
-                 int n, int k_begin, int k_end, const uint32_t* k_tiles, const uint32_t* v_tiles, Scratch& w) {
+void attend_split(const float* q, int64_t q_stride, int d, float scale, const Cache& cache, const Sequence& seq, int hk,
+                  int n, int k_begin, int k_end, Scratch& w) {
   const int tiles = n / kRows;
   const int offset = seq.lk - seq.lq;  // chunk row r sits at position offset + r and sees keys [0, offset + r]
   w.q_rows.resize(static_cast<size_t>(n) * d);
@@ -150,6 +265,8 @@ void attend_rows(const float* q, int64_t q_stride, int d, float scale, const Cac
   w.out.assign(static_cast<size_t>(n) * d, 0.f);
   w.max.assign(n, -INFINITY);
   w.sum.assign(n, 0.f);
+  w.k_block.resize(static_cast<size_t>(kBlock) * d / 2);
+  w.v_block.resize(static_cast<size_t>(kBlock) * d / 2);
   int last_key = -1;  // the last key any real row sees in [k_begin, k_end)
   for (int f = 0; f < n; ++f) {  // the rows as A tiles; padding rows are zeros
     uint16_t* dst = w.q_rows.data() + static_cast<int64_t>(f) * d;
@@ -162,30 +279,16 @@ void attend_rows(const float* q, int64_t q_stride, int d, float scale, const Cac
     }
   }
   const float scale2 = scale * 1.44269504f;  // softmax in base 2: the same probabilities
-  const int chunks = d / 32, groups = d / 16;
   for (int k0 = k_begin; k0 <= last_key; k0 += kBlock) {
-    const uint32_t* kt;
-    const uint32_t* vt;
-    if (!kFused) {
-      kt = k_tiles + static_cast<int64_t>(k0 / 16) * chunks * 256;
-      vt = v_tiles + static_cast<int64_t>(k0 / 32) * groups * 256;
-    } else {  // this block's tiles, packed here while the rows wait: read from the cache once, no copy in memory
-      const int keys = std::min(kBlock, (last_key - k0) / kKeys * kKeys + kKeys);
-      w.k_block.resize(static_cast<size_t>(kBlock) * d / 2);
-      w.v_block.resize(static_cast<size_t>(kBlock) * d / 2);
-      pack_block_any(cache, seq, hk, k0, keys, w.k_block.data(), w.v_block.data());
-      kt = w.k_block.data();
-      vt = w.v_block.data();
-    }
+    pack_block_any(cache, seq, hk, k0, std::min(kBlock, (last_key - k0) / kKeys * kKeys + kKeys), w.k_block.data(),
+                   w.v_block.data());
     // While the rows multiply this block, the next one's cache rows come into L2 (a slice per row tile):
     // blocks lie anywhere in memory, out of the hardware prefetcher's sight.
-    const int next = k0 + kBlock, next_end = kFused ? std::min(last_key + 1, next + kBlock) : next;
+    const int next = k0 + kBlock, next_end = std::min(last_key + 1, next + kBlock);
     const int per_tile = (kBlock + tiles - 1) / tiles;
-    // One tile of rows at a time, its scores and probabilities in L1, the block's K/V tiles in L1/L2 for all.
     for (int t = 0; t < tiles; ++t) {
-      if (kFused)
-        for (int key = next + t * per_tile; key < std::min(next_end, next + (t + 1) * per_tile); ++key)
-          prefetch_key(cache, seq, hk, key);
+      for (int key = next + t * per_tile; key < std::min(next_end, next + (t + 1) * per_tile); ++key)
+        prefetch_key(cache, seq, hk, key);
       int tile_last = -1;  // the last key of this block any of the tile's rows sees
       for (int i = 0; i < kRows; ++i) {
         const int r = w.row[t * kRows + i];
@@ -194,55 +297,19 @@ void attend_rows(const float* q, int64_t q_stride, int d, float scale, const Cac
       if (tile_last < k0) continue;  // sees none of this block
       const int tile_keys = std::min(kBlock, (tile_last - k0) / kKeys * kKeys + kKeys);  // padded to kKeys
       const uint16_t* qa = w.q_rows.data() + static_cast<int64_t>(t) * kRows * d;
-      for (int kb = 0; kb < tile_keys / kKeys; ++kb) score_block(qa, d, kt, kb, w.s.data(), kBlock);
-      // Per row: the new max, the rescale of what was summed, and 2^(x - max) in bfloat16 (0 where masked).
+      for (int kb = 0; kb < tile_keys / kKeys; ++kb) score_block(qa, d, w.k_block.data(), kb, w.s.data(), kBlock);
       float alpha[kRows];
       for (int i = 0; i < kRows; ++i) {
         const int row = t * kRows + i;
         const int last = w.row[row] >= 0 ? std::min(offset + w.row[row], k_end - 1) : -1;  // last key it sees
-        const float* sr = w.s.data() + static_cast<int64_t>(i) * kBlock;
-        uint16_t* pr = w.p.data() + static_cast<int64_t>(i) * kBlock;
-        const int seen = std::max(0, std::min(tile_keys, last - k0 + 1));  // keys of the block this row sees
-        const int whole = seen / 16 * 16;
-        __m512 mx = _mm512_set1_ps(-INFINITY);
-        for (int j = 0; j < whole; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + j));
-        if (whole < seen) mx = _mm512_mask_max_ps(mx, visible_lanes(k0 + whole, last), mx, _mm512_loadu_ps(sr + whole));
-        const float block_max = _mm512_reduce_max_ps(mx), old = w.max[row];
-        const float m = block_max > old ? block_max : old;
-        alpha[i] = old == -INFINITY ? 0.f : (m == old ? 1.f : std::exp2((old - m) * scale2));
-        w.max[row] = m;
-        const __m512 s2 = _mm512_set1_ps(scale2), shift = _mm512_set1_ps(m * scale2);
-        __m512 total = _mm512_setzero_ps();
-        for (int j = 0; j < whole; j += 16) {  // (x - max) * scale2 as one fused op
-          const __m512 e = exp2_coarse(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j), s2, shift));
-          total = _mm512_add_ps(total, e);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), to_bf16(e));
-        }
-        for (int j = whole; j < tile_keys; j += 16) {  // the row's last partial vector, then zeros
-          const __mmask16 keep = j < seen ? visible_lanes(k0 + j, last) : 0;
-          const __m512 e = _mm512_maskz_mov_ps(keep, exp2_coarse(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j), s2, shift)));
-          total = _mm512_add_ps(total, e);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), to_bf16(e));
-        }
-        w.sum[row] = w.sum[row] * alpha[i] + _mm512_reduce_add_ps(total);
+        alpha[i] = row_probabilities(w.s.data() + static_cast<int64_t>(i) * kBlock, w.p.data() + static_cast<int64_t>(i) * kBlock,
+                                     k0, tile_keys, last, scale2, w.max[row], w.sum[row]);
       }
-      // P V of the block, then out = out * alpha + P V.
-      for (int g0 = 0; g0 < groups; g0 += 4) value_group(w.p.data(), kBlock, tile_keys, d, vt, g0, w.pv.data());
-      for (int i = 0; i < kRows; ++i) {
-        const __m512 a = _mm512_set1_ps(alpha[i]);
-        float* o = w.out.data() + (static_cast<int64_t>(t) * kRows + i) * d;
-        const float* pv = w.pv.data() + static_cast<int64_t>(i) * d;
-        for (int j = 0; j < d; j += 16) _mm512_storeu_ps(o + j, _mm512_fmadd_ps(_mm512_loadu_ps(o + j), a, _mm512_loadu_ps(pv + j)));
-      }
+      add_values(w, t, tile_keys, d, w.v_block.data(), alpha);
     }
   }
 }
 
-// One query row's output as bfloat16: its sum of p V over its sum of p.
-inline void write_row(const float* acc, float sum, int d, uint16_t* o) {
-  const __m512 inv = _mm512_set1_ps(1.f / sum);
-  for (int j = 0; j < d; j += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + j), to_bf16(_mm512_mul_ps(_mm512_loadu_ps(acc + j), inv)));
-}
 
 #endif
 
@@ -315,6 +382,7 @@ extern "C" int32_t kvflow_prefill_attention_bf16(const KvflowAttention* layer, c
       for (int hk = 0; hk < hkv; ++hk) items.push_back({i, hk, r0, std::min(span, lq - r0), per, 0, lk, -1});
   }
   if (seqs.empty()) return 0;
+  const int num_long = static_cast<int>(items.size());
   items.insert(items.end(), splits.begin(), splits.end());
   std::vector<int> long_seqs, first_unit(1, 0);
   for (size_t i = 0; i < seqs.size(); ++i)
@@ -339,36 +407,28 @@ extern "C" int32_t kvflow_prefill_attention_bf16(const KvflowAttention* layer, c
     else pack<kvflow::float16>(team, cache, packed_seqs, first_unit, kt, vt);
     configure_tiles();
     thread_local Scratch w;
-    team.for_dynamic(num_items, [&](int i) {
+    team.for_dynamic(num_long, [&](int i) {  // long chunks' row blocks
       const Item& it = items[i];
       const Sequence& s = seqs[it.seq];
-      const int n = it.slot < 0 ? group * it.per * kRows : it.rows;
+      const int64_t at = s.packed * hkv + static_cast<int64_t>(it.hk) * s.padded * d / 2;
+      attend_item(q, q_stride, d, scale, s, it.hk, ItemRows{it.r0, it.rows, group, it.per}, kt + at, vt + at, out,
+                  out_stride, w);
+    });
+    team.for_dynamic(num_items - num_long, [&](int i) {  // short chunks' key splits
+      const Item& it = items[num_long + i];
+      const Sequence& s = seqs[it.seq];
+      const int n = it.rows;  // the heads' rows one after the other, then padding
       w.head.resize(n);
       w.row.resize(n);
       for (int f = 0; f < n; ++f) {
-        if (it.slot < 0) {  // tile t: rows r0 + 16 (t % per) on of head t / per
-          const int t = f / kRows, r = it.r0 + (t % it.per) * kRows + f % kRows;
-          w.head[f] = it.hk * group + t / it.per;
-          w.row[f] = r < it.r0 + it.rows ? r : -1;
-        } else {  // the heads' rows one after the other
-          w.head[f] = it.hk * group + f / s.lq;
-          w.row[f] = f < group * s.lq ? f % s.lq : -1;
-        }
+        w.head[f] = it.hk * group + f / s.lq;
+        w.row[f] = f < group * s.lq ? f % s.lq : -1;
       }
-      if (it.slot < 0) {
-        const int64_t at = s.packed * hkv + static_cast<int64_t>(it.hk) * s.padded * d / 2;
-        attend_rows<false>(q, q_stride, d, scale, cache, s, it.hk, n, 0, s.lk, kt + at, vt + at, w);
-        for (int f = 0; f < n; ++f)
-          if (w.row[f] >= 0)
-            write_row(w.out.data() + static_cast<int64_t>(f) * d, w.sum[f], d,
-                      out + static_cast<int64_t>(s.q_row + w.row[f]) * out_stride + w.head[f] * d);
-      } else {
-        attend_rows<true>(q, q_stride, d, scale, cache, s, it.hk, n, it.k_begin, it.k_end, nullptr, nullptr, w);
-        float* slot = parts + it.slot;
-        std::memcpy(slot, w.out.data(), sizeof(float) * n * d);
-        std::memcpy(slot + static_cast<int64_t>(n) * d, w.max.data(), sizeof(float) * n);
-        std::memcpy(slot + static_cast<int64_t>(n) * (d + 1), w.sum.data(), sizeof(float) * n);
-      }
+      attend_split(q, q_stride, d, scale, cache, s, it.hk, n, it.k_begin, it.k_end, w);
+      float* slot = parts + it.slot;
+      std::memcpy(slot, w.out.data(), sizeof(float) * n * d);
+      std::memcpy(slot + static_cast<int64_t>(n) * d, w.max.data(), sizeof(float) * n);
+      std::memcpy(slot + static_cast<int64_t>(n) * (d + 1), w.sum.data(), sizeof(float) * n);
     });
     _tile_release();
     // A short chunk's rows: the splits' sums rescaled to their common max, added, divided.

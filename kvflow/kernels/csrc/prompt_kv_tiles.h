@@ -89,11 +89,29 @@ inline void transpose16(__m512i* r) {
 }
 
 // Keys [16 b, 16 b + 16) of KV head h as B tiles for Q K^T, written from `out` on: per 32 dims, 32-bit
-// word (i, n) holds dims 2i, 2i+1 of key n. Keys past lk are zeros. kTranspose: the words of 16 keys
-// turned in registers, which an item packing its own blocks wants (1.09x at 80 rows over 16K keys); the
-// pass packing whole sequences ahead stores them one by one (1.06x there: measured, not understood).
-template <typename T, bool kTranspose>
+// word (i, n) holds dims 2i, 2i+1 of key n. Keys past lk are zeros. One key at a time: for the pass that
+// packs whole sequences ahead (pack_keys_turned is 0.9x there, measured, not understood).
+template <typename T>
 void pack_keys(const Cache& c, const Sequence& s, int h, int b, uint32_t* out) {
+  const int chunks = c.d / 32;
+  for (int n = 0; n < 16; ++n) {
+    const int key = b * 16 + n;
+    alignas(64) uint32_t words[64];  // one key as bfloat16 pairs (head sizes up to 128)
+    if (key < s.lk) {
+      const T* row = cache_row<T>(c.k, c, s.table, key, h);
+      for (int j = 0; j < c.d; j += 16) _mm256_store_si256(reinterpret_cast<__m256i*>(words + j / 2), to_bf16(load16(row + j)));
+    } else {
+      std::memset(words, 0, sizeof(words));
+    }
+    for (int ch = 0; ch < chunks; ++ch)
+      for (int i = 0; i < 16; ++i) out[ch * 256 + i * 16 + n] = words[ch * 16 + i];
+  }
+}
+
+// The same tiles with the 16 keys' words turned in registers: for an item that packs its own blocks while
+// its rows wait (1.09x over pack_keys at 80 rows over 16K keys).
+template <typename T>
+void pack_keys_turned(const Cache& c, const Sequence& s, int h, int b, uint32_t* out) {
   const T* rows[16];
   key_rows<T>(c, s, c.k, h, b * 16, 16, rows);
   for (int ch = 0; ch < c.d / 32; ++ch) {
@@ -103,16 +121,8 @@ void pack_keys(const Cache& c, const Sequence& s, int h, int b, uint32_t* out) {
       r[n] = row ? _mm512_inserti64x4(_mm512_castsi256_si512(to_bf16(load16(row))), to_bf16(load16(row + 16)), 1)
                  : _mm512_setzero_si512();
     }
-    if (kTranspose) {
-      transpose16(r);
-      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(out + ch * 256 + i * 16, r[i]);
-    } else {
-      alignas(64) uint32_t words[16];
-      for (int n = 0; n < 16; ++n) {
-        _mm512_store_si512(words, r[n]);
-        for (int i = 0; i < 16; ++i) out[ch * 256 + i * 16 + n] = words[i];
-      }
-    }
+    transpose16(r);
+    for (int i = 0; i < 16; ++i) _mm512_storeu_si512(out + ch * 256 + i * 16, r[i]);
   }
 }
 
@@ -124,11 +134,10 @@ void pack_values(const Cache& c, const Sequence& s, int h, int b, uint32_t* out)
   alignas(64) static const uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i idx = _mm512_load_si512(interleave);
-  const T* rows[32];
-  key_rows<T>(c, s, c.v, h, b * 32, 32, rows);
   for (int i = 0; i < 16; ++i) {
-    const T* even = rows[2 * i];
-    const T* odd = rows[2 * i + 1];
+    const int key = b * 32 + 2 * i;
+    const T* even = key < s.lk ? cache_row<T>(c.v, c, s.table, key, h) : nullptr;
+    const T* odd = key + 1 < s.lk ? cache_row<T>(c.v, c, s.table, key + 1, h) : nullptr;
     for (int g = 0; g < groups; ++g) {
       const __m256i a = even ? to_bf16(load16(even + g * 16)) : _mm256_setzero_si256();
       const __m256i bb = odd ? to_bf16(load16(odd + g * 16)) : _mm256_setzero_si256();
@@ -143,7 +152,7 @@ void pack_values(const Cache& c, const Sequence& s, int h, int b, uint32_t* out)
 template <typename T>
 void pack_block(const Cache& c, const Sequence& s, int h, int k0, int keys, uint32_t* k_tiles, uint32_t* v_tiles) {
   const int chunks = c.d / 32, groups = c.d / 16;
-  for (int b = 0; b < keys / 16; ++b) pack_keys<T, true>(c, s, h, k0 / 16 + b, k_tiles + static_cast<int64_t>(b) * chunks * 256);
+  for (int b = 0; b < keys / 16; ++b) pack_keys_turned<T>(c, s, h, k0 / 16 + b, k_tiles + static_cast<int64_t>(b) * chunks * 256);
   for (int b = 0; b < keys / 32; ++b) pack_values<T>(c, s, h, k0 / 32 + b, v_tiles + static_cast<int64_t>(b) * groups * 256);
 }
 
@@ -173,8 +182,8 @@ void pack(kvflow::Team& team, const Cache& c, const std::vector<Sequence>& seqs,
     const Sequence& s = seqs[i];
     const int local = u - first_unit[i], h = local / (s.padded / 32), b = local % (s.padded / 32);
     const int64_t at = s.packed * c.hkv + static_cast<int64_t>(h) * s.padded * c.d / 2;
-    pack_keys<T, false>(c, s, h, 2 * b, k_tiles + at + static_cast<int64_t>(2 * b) * (c.d / 32) * 256);
-    pack_keys<T, false>(c, s, h, 2 * b + 1, k_tiles + at + static_cast<int64_t>(2 * b + 1) * (c.d / 32) * 256);
+    pack_keys<T>(c, s, h, 2 * b, k_tiles + at + static_cast<int64_t>(2 * b) * (c.d / 32) * 256);
+    pack_keys<T>(c, s, h, 2 * b + 1, k_tiles + at + static_cast<int64_t>(2 * b + 1) * (c.d / 32) * 256);
     pack_values<T>(c, s, h, b, v_tiles + at + static_cast<int64_t>(b) * (c.d / 16) * 256);
   });
 }
