@@ -68,7 +68,7 @@ class CpuFastExecutor(LayersExecutor):
         # A prompt chunk under the dense rows deep in a context (an agent's next turn: its new tokens over a
         # long cached one) attends on AMX tiles too, not row by row; speculation's checks stay computed as
         # the plain decode steps they replace.
-        tiles = self.prompt_tiles and inputs.num_draft_rows == 0 and any(
+        tiles = self.prompt_tiles and dense is None and has_prompt_rows and inputs.num_draft_rows == 0 and any(
             q > 1 and k >= self.tiles_min_context for q, k in zip(meta.query_lens_cpu, meta.seq_lens_cpu))
         hidden = torch.empty(rows, self.model.arch.hidden_size)
         picked = inputs.logits_indices

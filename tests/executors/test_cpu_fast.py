@@ -116,6 +116,7 @@ def test_many_row_packed_steps_match_the_exact_mode(sixteen_bit, packed_loaded, 
     assert_close_outputs(fast, exact, 0.15 if sixteen_bit.native.dense_t is not None else 3e-2)
 
 
+# Only AMX CPUs have the tile kernel; elsewhere the packed path attends row by row, as the other tests check.
 @pytest.mark.skipif(cpu_features.machine_tier() != "amx", reason="the tile kernel needs AMX (amx_bf16)")
 def test_a_short_chunk_deep_in_a_context_attends_on_tiles(sixteen_bit, packed_loaded, monkeypatch):
     """An agent's next turn: a few new rows over a cached context past prompt_tiles_min_context run on the

@@ -130,6 +130,16 @@ struct Scratch {  // per thread, grown as needed
   std::vector<float> s, pv, out, max, sum;
   std::vector<int> head, row;         // each item row's query head and chunk row (-1: a padding row)
   std::vector<uint32_t> k_block, v_block;  // one block's K/V tiles, where the item packs its own
+
+  void start(int n, int d) {  // an item of n rows: room for its tiles, its sums from zero
+    q_rows.resize(static_cast<size_t>(n) * d);
+    s.resize(static_cast<size_t>(kRows) * kBlock);
+    p.resize(static_cast<size_t>(kRows) * kBlock);
+    pv.resize(static_cast<size_t>(kRows) * d);
+    out.assign(static_cast<size_t>(n) * d, 0.f);
+    max.assign(n, -INFINITY);
+    sum.assign(n, 0.f);
+  }
 };
 
 // One query row's output as bfloat16: its sum of p V over its sum of p.
@@ -196,13 +206,7 @@ void attend_item(const float* q, int64_t q_stride, int d, float scale, const Seq
   const int tiles = it.tiles(), n = tiles * kRows;
   const int offset = seq.lk - seq.lq;  // chunk row r sits at position offset + r and sees keys [0, offset + r]
   const int last_key = offset + it.r0 + it.rows - 1;  // the last key any real row sees
-  w.q_rows.resize(static_cast<size_t>(n) * d);
-  w.s.resize(static_cast<size_t>(kRows) * kBlock);
-  w.p.resize(static_cast<size_t>(kRows) * kBlock);
-  w.pv.resize(static_cast<size_t>(kRows) * d);
-  w.out.assign(static_cast<size_t>(n) * d, 0.f);
-  w.max.assign(n, -INFINITY);
-  w.sum.assign(n, 0.f);
+  w.start(n, d);
   for (int t = 0; t < tiles; ++t) {  // the rows as A tiles; rows past the chunk are zeros
     const int h = hk * it.group + t / it.per;
     for (int i = 0; i < kRows; ++i) {
@@ -258,13 +262,7 @@ void attend_split(const float* q, int64_t q_stride, int d, float scale, const Ca
                   int n, int k_begin, int k_end, Scratch& w) {
   const int tiles = n / kRows;
   const int offset = seq.lk - seq.lq;  // chunk row r sits at position offset + r and sees keys [0, offset + r]
-  w.q_rows.resize(static_cast<size_t>(n) * d);
-  w.s.resize(static_cast<size_t>(kRows) * kBlock);
-  w.p.resize(static_cast<size_t>(kRows) * kBlock);
-  w.pv.resize(static_cast<size_t>(kRows) * d);
-  w.out.assign(static_cast<size_t>(n) * d, 0.f);
-  w.max.assign(n, -INFINITY);
-  w.sum.assign(n, 0.f);
+  w.start(n, d);
   w.k_block.resize(static_cast<size_t>(kBlock) * d / 2);
   w.v_block.resize(static_cast<size_t>(kBlock) * d / 2);
   int last_key = -1;  // the last key any real row sees in [k_begin, k_end)
