@@ -37,7 +37,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="rotary scaling in place of the model's own, to run past its trained context: yarn or "
                         "linear, e.g. yarn:4:32768 (factor 4 over an original 32768 tokens; the original "
                         "defaults to the model's) or vLLM's '{\"rope_type\": \"yarn\", \"factor\": 4.0, "
-                        "\"original_max_position_embeddings\": 32768}'; the context grows to match")
+                        "\"original_max_position_embeddings\": 32768}'; the context grows to match; auto: YaRN just "
+                        "far enough for --max-model-len where that passes the model's trained context")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV cache budget, e.g. 2GiB")
     g.add_argument("--kv-cache-dtype", default=c.kv_cache_dtype, choices=["auto", "float32", "bfloat16", "float16", "int8"],
                    help="int8 (CPU): 8-bit K/V with a scale per token and head, about half the bytes of 16-bit")

@@ -4,13 +4,14 @@ As `ollama launch` does: find a kvflow server (--url, default http://127.0.0.1:8
 context of 32768 tokens, which the agents' first prompts of 6,000 to 21,000 tokens need), write the client's
 provider settings into a folder kvflow owns (~/.cache/kvflow/launch/<client>/, never the user's own
 configuration: each client is pointed at that folder by its own environment variable), and run the client.
-A server found running is left running (the client replaces this process); a server started here is stopped
-when the client exits.
+A server found running is left running (the client replaces this process); a server started here (with
+`--rope-scaling auto`: a model trained for a shorter context is stretched to it) is stopped when the client
+exits.
 
 | client | folder used as | settings written |
 |---|---|---|
 | codex (Codex CLI) | CODEX_HOME | config.toml: a `kvflow` provider on the Responses API |
-| claude (Claude Code) | CLAUDE_CONFIG_DIR | environment: ANTHROPIC_BASE_URL, ANTHROPIC_AUTH_TOKEN, the model names |
+| claude (Claude Code) | CLAUDE_CONFIG_DIR | environment: ANTHROPIC_BASE_URL, ANTHROPIC_AUTH_TOKEN, the model names, an answer's cap |
 | qwen (Qwen Code) | QWEN_HOME | settings.json (auth type openai) and OPENAI_BASE_URL, OPENAI_API_KEY, OPENAI_MODEL |
 | openclaw (OpenClaw) | OPENCLAW_CONFIG_PATH, OPENCLAW_STATE_DIR | openclaw.json: a `kvflow` provider on chat completions |
 """
@@ -24,7 +25,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.error import URLError
 from urllib.parse import urlparse
@@ -55,6 +56,7 @@ class Served:
 class ClientSetup:
     argv: list[str]  # the client's command and the options that point it at kvflow (the user's args follow)
     env: dict[str, str]  # set on top of the environment
+    defaults: dict[str, str] = field(default_factory=dict)  # set where the environment has none of its own
 
 
 def launch_folder(client: str) -> Path:
@@ -91,7 +93,9 @@ def _claude(served: Served, folder: Path) -> ClientSetup:
            "ANTHROPIC_DEFAULT_OPUS_MODEL": served.model, "ANTHROPIC_DEFAULT_SONNET_MODEL": served.model,
            "ANTHROPIC_DEFAULT_HAIKU_MODEL": served.model, "ANTHROPIC_SMALL_FAST_MODEL": served.model,
            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1"}
-    return ClientSetup([CLIENTS["claude"][0], "--model", served.model], env)
+    # Claude Code asks for 32,000 tokens an answer, the whole of a local context: OpenClaw's cap instead
+    cap = {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(_output_cap(served))}
+    return ClientSetup([CLIENTS["claude"][0], "--model", served.model], env, cap)
 
 
 def _qwen(served: Served, folder: Path) -> ClientSetup:
@@ -107,7 +111,7 @@ def _qwen(served: Served, folder: Path) -> ClientSetup:
 def _openclaw(served: Served, folder: Path) -> ClientSetup:
     model = {"id": served.model, "name": f"{served.model} (kvflow)", "reasoning": False, "input": ["text"],
              "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0},
-             "contextWindow": served.context, "maxTokens": min(8192, served.context // 4)}
+             "contextWindow": served.context, "maxTokens": _output_cap(served)}
     config = {"agents": {"defaults": {"model": {"primary": f"kvflow/{served.model}"}}},
               "models": {"mode": "replace", "providers": {"kvflow": {
                   "baseUrl": served.base_url + "/v1", "apiKey": served.api_key or "kvflow",
@@ -115,6 +119,11 @@ def _openclaw(served: Served, folder: Path) -> ClientSetup:
     _merge_json(folder / "openclaw.json", config)
     env = {"OPENCLAW_CONFIG_PATH": str(folder / "openclaw.json"), "OPENCLAW_STATE_DIR": str(folder / "state")}
     return ClientSetup([CLIENTS["openclaw"][0]], env)
+
+
+def _output_cap(served: Served) -> int:
+    """The longest answer a client is set to ask for: a quarter of the context, at most 8,192 tokens."""
+    return min(8192, served.context // 4)
 
 
 _SETUPS = {"codex": _codex, "claude": _claude, "qwen": _qwen, "openclaw": _openclaw}
@@ -161,6 +170,8 @@ def start_server(url: str, serve_args: list[str], log_path: Path, api_key: str |
             "--port", str(where.port or 8000), *serve_args]
     if "--max-model-len" not in serve_args:
         args += ["--max-model-len", str(LAUNCH_CONTEXT)]
+    if "--rope-scaling" not in serve_args:  # a model trained for less, stretched (YaRN) rather than past its end
+        args += ["--rope-scaling", "auto"]
     if api_key and "--api-key" not in serve_args:
         args += ["--api-key", api_key]
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -216,7 +227,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if served is None:
         if args.dry_run:
             raise SystemExit(f"kvflow launch: no kvflow server at {args.url} (--dry-run starts none); start one "
-                             f"with: kvflow serve --max-model-len {LAUNCH_CONTEXT}")
+                             f"with: kvflow serve --max-model-len {LAUNCH_CONTEXT} --rope-scaling auto")
         else:
             log = folder.parent / "serve.log"
             print(f"kvflow launch: no kvflow server at {args.url}; starting one (log: {log})", file=sys.stderr)
@@ -226,12 +237,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
     argv = [*setup.argv, *client_args]
     print(f"kvflow launch: {args.client} on {served.base_url} (model {served.model}, context {served.context} "
           f"tokens); its settings: {folder}", file=sys.stderr, flush=True)
+    env = {**setup.defaults, **os.environ, **setup.env}
     if args.dry_run:
-        for name, value in setup.env.items():
-            print(f"export {name}={_shell_quote(value)}")
+        for name in {**setup.defaults, **setup.env}:
+            print(f"export {name}={_shell_quote(env[name])}")
         print(" ".join(_shell_quote(a) for a in argv))
         return 0
-    env = {**os.environ, **setup.env}
     if started is None:
         os.execvpe(argv[0], argv, env)  # the client takes this process's place; the server stays as it was
     try:

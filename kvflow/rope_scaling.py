@@ -4,7 +4,10 @@ puts it in place of the model's own.
 
 One flag, two spellings: vLLM's JSON (`{"rope_type": "yarn", "factor": 4.0,
 "original_max_position_embeddings": 32768}`, the dict transformers keeps as `rope_scaling`), or the short
-`TYPE:FACTOR[:ORIGINAL]` (`yarn:4`, `yarn:4:32768`, `linear:2`).
+`TYPE:FACTOR[:ORIGINAL]` (`yarn:4`, `yarn:4:32768`, `linear:2`). A third, `auto`, names no factor: YaRN
+just far enough to reach --max-model-len where that goes past the model's trained context, nothing where it
+does not (`kvflow launch` starts its server so: a small model trained for 8,192 tokens, stretched to an
+agent's 32,768, answers in sentences and stops; unstretched, past 8,192 it writes noise until the limit).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import math
 from typing import Any
 
 ROPE_TYPES = ("linear", "yarn")
+AUTO = {"rope_type": "auto"}  # resolved against the model and --max-model-len in models/rope_override.py
 _NUMBERS = {"factor", "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"}
 _KEYS = {"linear": {"rope_type", "factor"},
          "yarn": {"rope_type", "factor", "original_max_position_embeddings", "truncate"} | _NUMBERS}
@@ -26,14 +30,18 @@ def parse_rope_scaling(value: str | dict | None) -> dict | None:
     if value is None:
         return None
     if isinstance(value, str):
+        if value.strip().lower() == "auto":
+            return dict(AUTO)
         value = _from_text(value.strip())
+    if value == AUTO:
+        return dict(AUTO)
     if not isinstance(value, dict):
         raise ValueError(f"rope scaling must be a JSON object or TYPE:FACTOR[:ORIGINAL], {EXAMPLE}")
     scaling = dict(value)
     rope_type = scaling.pop("type", None) or scaling.get("rope_type")  # transformers 4 wrote "type"
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"rope scaling type {rope_type!r} is not supported here (supported: "
-                         f"{', '.join(ROPE_TYPES)}); {EXAMPLE}")
+                         f"{', '.join(ROPE_TYPES)}, or auto); {EXAMPLE}")
     scaling["rope_type"] = rope_type
     unknown = set(scaling) - _KEYS[rope_type]
     if unknown:

@@ -109,7 +109,7 @@ def load_model(config: ModelConfig, with_tokenizer: bool = True,
     made the group, never read from the process: an engine of another size in the same process is no concern."""
     resolved = resolve_model(config.model)
     files = open_model_files(resolved)
-    arch = apply_rope_scaling(read_arch(files), config.rope_scaling)  # --rope-scaling, where stated
+    arch = apply_rope_scaling(read_arch(files), config.rope_scaling, config.max_model_len)  # --rope-scaling
     model_class_for(arch)  # refuses what this architecture's class cannot run, before the heavy reads
     with ThreadPoolExecutor(1, thread_name_prefix="kvflow-tokenizer") as pool:
         # The tokenizer builds (mostly Python: transformers' import, a 128K vocabulary) while the weights

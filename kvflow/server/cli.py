@@ -127,6 +127,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"  listening on {where}  (OpenAI: /v1, Ollama: /api, /metrics, /health"
           f"{'' if args.no_ui else '; chat page: /'})",
           file=sys.stderr, flush=True)
+    _say_rope_scaling(args.rope_scaling, loaded)
     _warn_past_trained_context(engine.max_model_len, loaded)
     server = _GracefulServer(config)
     died: list[str] = []
@@ -138,6 +139,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"kvflow serve: {died[0] if died else engine.failure}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def _say_rope_scaling(stated: dict | None, loaded) -> None:
+    """The rotary scaling the model runs with, where --rope-scaling was given (auto's is known only now)."""
+    if stated is None:
+        return
+    scaling = getattr(getattr(loaded, "arch", None), "rope_scaling", None)
+    if not scaling:
+        print("  rotary scaling: none (the context fits the model's own)", file=sys.stderr, flush=True)
+        return
+    original = scaling.get("original_max_position_embeddings")
+    print(f"  rotary scaling: {scaling.get('rope_type')} x{scaling.get('factor', 1):g}"
+          f"{f' over {original} tokens' if original else ''}", file=sys.stderr, flush=True)
 
 
 def _warn_past_trained_context(max_model_len: int, loaded) -> None:

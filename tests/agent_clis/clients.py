@@ -73,7 +73,7 @@ def make_session(client: str, base_url: str, root: Path, bin_dir: Path, trim: bo
         env.pop(name, None)
     served = Served(base_url, MODEL, CONTEXT)
     setup = setup_client(client, served, _FOLDERS[client](home))
-    env.update(setup.env)
+    env = {**setup.defaults, **env, **setup.env}  # as kvflow launch sets them
     if client == "openclaw":  # no update check, no LAN announcement, no channels or cron for a one-shot run
         env.update({"OPENCLAW_NO_AUTO_UPDATE": "1", "OPENCLAW_DISABLE_BONJOUR": "1", "OPENCLAW_SKIP_CHANNELS": "1",
                     "OPENCLAW_SKIP_CRON": "1", "OPENCLAW_NO_RESPAWN": "1"})

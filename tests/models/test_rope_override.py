@@ -5,6 +5,7 @@ the PyTorch layers on the same scaled table, a GGUF file, and the flag's parsing
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -172,10 +173,40 @@ def test_gguf_file_with_an_override_and_with_yarn_keys(plain, tmp_path):
     ('{"rope_type":"yarn","factor":4.0,"original_max_position_embeddings":32768}',
      {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}),
     ('{"type": "linear", "factor": 3}', {"rope_type": "linear", "factor": 3}),
+    ("auto", {"rope_type": "auto"}), (" AUTO ", {"rope_type": "auto"}),
 ])
 def test_flag_spellings(text, expected):
     assert parse_rope_scaling(text) == expected
     assert engine_config(rope_scaling=text).model.rope_scaling == expected
+
+
+@pytest.mark.parametrize("own,max_model_len,expected", [
+    (None, 4 * CONTEXT, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": CONTEXT}),
+    (None, 700, {"rope_type": "yarn", "factor": 700 / CONTEXT, "original_max_position_embeddings": CONTEXT}),
+    (None, CONTEXT, None), (None, None, None),  # fits, or the model's own context: nothing to stretch
+    # a YaRN of the model's own is stretched further over its own original context
+    ({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": CONTEXT // 2}, 4 * CONTEXT,
+     {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": CONTEXT // 2}),
+    ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": CONTEXT}, 4 * CONTEXT, "own"),
+], ids=["x4", "x1.37", "fits", "unset", "own-yarn", "own-llama3"])
+def test_auto_stretches_with_yarn_to_the_context_asked_for(own, max_model_len, expected):
+    """`--rope-scaling auto` (what kvflow launch starts its server with): YaRN with the factor that reaches
+    --max-model-len from the trained context; nothing where the context fits or the model scales otherwise."""
+    arch = dataclasses.replace(_arch(16, 10000.0), rope_scaling=own)
+    stretched = apply_rope_scaling(arch, parse_rope_scaling("auto"), max_model_len)
+    if expected in (None, "own"):
+        assert stretched == arch
+        return
+    assert stretched.rope_scaling == expected
+    assert stretched.max_position_embeddings == max_model_len
+
+
+def test_auto_stretches_a_loaded_model(plain):
+    loaded = load_model(ModelConfig(model=str(plain), dtype="float32", device="cpu",
+                                    rope_scaling=parse_rope_scaling("auto"), max_model_len=4 * CONTEXT))
+    assert loaded.arch.rope_scaling == {"rope_type": "yarn", "factor": 4.0,
+                                        "original_max_position_embeddings": CONTEXT}
+    assert loaded.arch.max_position_embeddings == 4 * CONTEXT
 
 
 @pytest.mark.parametrize("text,message", [
