@@ -30,10 +30,8 @@ def parse_rope_scaling(value: str | dict | None) -> dict | None:
     if value is None:
         return None
     if isinstance(value, str):
-        if value.strip().lower() == "auto":
-            return dict(AUTO)
-        value = _from_text(value.strip())
-    if value == AUTO:
+        value = dict(AUTO) if value.strip().lower() == "auto" else _from_text(value.strip())
+    if value == AUTO:  # said as text, or as the dict (LLM(rope_scaling=...), a config read again)
         return dict(AUTO)
     if not isinstance(value, dict):
         raise ValueError(f"rope scaling must be a JSON object or TYPE:FACTOR[:ORIGINAL], {EXAMPLE}")
